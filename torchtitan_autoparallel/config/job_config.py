@@ -1,0 +1,124 @@
+"""The job configuration: torchtitan's 2025 TOML sections as typed dataclasses.
+
+Section and key names follow torchtitan's old ``JobConfig`` so that existing
+TOML files read the same; ``[autoparallel]`` is ours. This module imports
+neither torch nor torchtitan, so checking a config is instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    description: str = "torchtitan_autoparallel training job"
+    config_file: str = ""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    flavor: str = "debugmodel"
+    tokenizer_path: str = "default"
+
+
+@dataclass
+class Training:
+    steps: int = 10
+    local_batch_size: int = 8  # per data-parallel rank; global = this x dp degree
+    seq_len: int = 256
+    seed: int = 0
+    deterministic: bool = False
+    max_norm: float = 1.0
+    mixed_precision_param: str = "float32"
+    mixed_precision_reduce: str = "float32"
+    dataset: str = "default"
+    dataset_path: str = ""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    data_parallel_shard_degree: int = -1  # -1: whatever the other degrees leave
+    tensor_parallel_degree: int = 1
+    context_parallel_degree: int = 1
+    pipeline_parallel_degree: int = 1
+    enable_sequence_parallel: bool = True
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    lr: float = 8e-4
+    eps: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.1
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 2
+    decay_ratio: float | None = None  # None: decay over all steps after warm-up
+    decay_type: str = "linear"
+    min_lr_factor: float = 0.0
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    enable_tensorboard: bool = False
+    save_tb_folder: str = "tb"
+    peak_tflops: float | None = None  # None: device table on GPU, measured on CPU
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"
+    interval: int = 500
+    load_step: int = -1  # -1: the latest step found in folder
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = "none"
+
+
+@dataclass
+class AutoParallel:
+    solver: str = "ilp"
+    ilp_backend: str = "highs"
+    time_limit_s: float = 300.0
+    memory_budget_gib: float | None = None
+    overlap: bool = False
+    strided_sharding: bool = False
+    optimality_check: bool = False
+    plan_cache: bool = True
+    cost_profile: str = "auto"
+    export_problem: str = ""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    autoparallel: AutoParallel = field(default_factory=AutoParallel)
+
+    def to_dict(self) -> dict:
+        return {
+            f.name: {g.name: getattr(getattr(self, f.name), g.name) for g in fields(getattr(self, f.name))}
+            for f in fields(self)
+        }
+
+
+SECTIONS: tuple[str, ...] = tuple(f.name for f in fields(JobConfig))

@@ -1,0 +1,142 @@
+"""TOML file + ``--section.key value`` overrides -> a validated ``JobConfig``.
+
+Every mistake becomes a ``ConfigError`` whose one-line message names the bad
+value and what would be accepted; the launcher prints it without a traceback.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import tomli
+
+from torchtitan_autoparallel.config.job_config import SECTIONS, JobConfig
+from torchtitan_autoparallel.config.validate import validate
+from torchtitan_autoparallel.errors import ConfigError
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def load_config(argv: list[str] | None = None, config_file: str | None = None) -> JobConfig:
+    """Build the config from an optional TOML file and CLI overrides, then validate it."""
+    overrides = parse_overrides(argv or [])
+    path = config_file or overrides.get("job", {}).get("config_file")
+    config = JobConfig()
+    if path:
+        _apply(config, read_toml(path), source=str(path), from_cli=False)
+        config.job.config_file = str(path)
+    _apply(config, overrides, source="command line", from_cli=True)
+    validate(config)
+    return config
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found; pass an existing .toml file")
+    try:
+        with p.open("rb") as f:
+            return tomli.load(f)
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"TOML syntax error in {str(path)!r}: {e}") from None
+
+
+def parse_overrides(argv: list[str]) -> dict[str, dict[str, str]]:
+    """``['--training.steps', '5', '--x.y=z']`` -> ``{'training': {'steps': '5'}, 'x': {'y': 'z'}}``."""
+    out: dict[str, dict[str, str]] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(
+                f"unexpected argument {arg!r}; overrides look like --section.key value"
+            )
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"override {arg!r} has no value; use {arg} VALUE")
+            value = argv[i + 1]
+            i += 1
+        section, _, name = key.partition(".")
+        out.setdefault(section, {})[name] = value
+        i += 1
+    return out
+
+
+def _apply(config: JobConfig, data: dict[str, Any], *, source: str, from_cli: bool) -> None:
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"unknown section [{section}] in {source}; known sections: {', '.join(SECTIONS)}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] in {source} must be a table of keys")
+        target = getattr(config, section)
+        known = {f.name: f for f in fields(target)}
+        for key, raw in values.items():
+            if key not in known:
+                raise ConfigError(
+                    f"unknown key {section}.{key} in {source}; known keys of [{section}]: "
+                    f"{', '.join(known)}"
+                )
+            hint = typing.get_type_hints(type(target))[key]
+            value = _from_text(raw, hint) if from_cli else _check_type(raw, hint)
+            if value is _BAD:
+                raise ConfigError(
+                    f"{section}.{key} = {raw!r} in {source} is not a valid {_type_name(hint)}"
+                )
+            setattr(target, key, value)
+
+
+_BAD = object()
+
+
+def _base_types(hint: Any) -> tuple[type, ...]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return tuple(t for t in typing.get_args(hint) if t is not type(None))
+    return (hint,)
+
+
+def _optional(hint: Any) -> bool:
+    return type(None) in typing.get_args(hint)
+
+
+def _type_name(hint: Any) -> str:
+    names = [t.__name__ for t in _base_types(hint)]
+    return " or ".join(names + (["none"] if _optional(hint) else []))
+
+
+def _from_text(text: str, hint: Any) -> Any:
+    if _optional(hint) and text.lower() in {"none", "null", ""}:
+        return None
+    for t in _base_types(hint):
+        value = _parse_one(text, t)
+        if value is not _BAD:
+            return value
+    return _BAD
+
+
+def _parse_one(text: str, t: type) -> Any:
+    if t is bool:
+        low = text.lower()
+        return True if low in _TRUE else False if low in _FALSE else _BAD
+    if t in (int, float):
+        try:
+            return t(text)
+        except ValueError:
+            return _BAD
+    return text
+
+
+def _check_type(value: Any, hint: Any) -> Any:
+    bases = _base_types(hint)
+    if isinstance(value, bool):
+        return value if bool in bases else _BAD
+    if isinstance(value, int) and float in bases and int not in bases:
+        return float(value)
+    return value if isinstance(value, bases) else _BAD

@@ -1,0 +1,90 @@
+"""Value checks that need nothing but the config itself (no torch, no world size)."""
+
+from __future__ import annotations
+
+from torchtitan_autoparallel.config.job_config import JobConfig
+from torchtitan_autoparallel.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16")
+DECAY_TYPES = ("linear", "cosine", "sqrt")
+AC_MODES = ("none", "full", "selective")
+OPTIMIZERS = ("AdamW", "Adam")
+SOLVERS = ("ilp",)
+ILP_BACKENDS = ("highs", "cbc")
+
+
+def _choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        raise ConfigError(f"{name} = {value!r} is not accepted; accepted: {', '.join(accepted)}")
+
+
+def _at_least(name: str, value: float, low: float) -> None:
+    if value < low:
+        raise ConfigError(f"{name} = {value} is too small; accepted: >= {low}")
+
+
+def validate(c: JobConfig) -> None:
+    t = c.training
+    _at_least("training.steps", t.steps, 1)
+    _at_least("training.local_batch_size", t.local_batch_size, 1)
+    _at_least("training.seq_len", t.seq_len, 2)
+    _at_least("training.max_norm", t.max_norm, 0)
+    _choice("training.mixed_precision_param", t.mixed_precision_param, DTYPES)
+    _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ("float32",))
+    _validate_parallelism(c)
+    _choice("optimizer.name", c.optimizer.name, OPTIMIZERS)
+    _at_least("optimizer.lr", c.optimizer.lr, 0)
+    s = c.lr_scheduler
+    _at_least("lr_scheduler.warmup_steps", s.warmup_steps, 0)
+    _choice("lr_scheduler.decay_type", s.decay_type, DECAY_TYPES)
+    if s.decay_ratio is not None and not 0 <= s.decay_ratio <= 1:
+        raise ConfigError(f"lr_scheduler.decay_ratio = {s.decay_ratio}; accepted: 0..1 or none")
+    if not 0 <= s.min_lr_factor <= 1:
+        raise ConfigError(f"lr_scheduler.min_lr_factor = {s.min_lr_factor}; accepted: 0..1")
+    _at_least("metrics.log_freq", c.metrics.log_freq, 1)
+    if c.metrics.peak_tflops is not None:
+        _at_least("metrics.peak_tflops", c.metrics.peak_tflops, 1e-9)
+    _at_least("checkpoint.interval", c.checkpoint.interval, 1)
+    _choice("activation_checkpoint.mode", c.activation_checkpoint.mode, AC_MODES)
+    a = c.autoparallel
+    _choice("autoparallel.solver", a.solver, SOLVERS)
+    _choice("autoparallel.ilp_backend", a.ilp_backend, ILP_BACKENDS)
+    _at_least("autoparallel.time_limit_s", a.time_limit_s, 1e-3)
+    if a.memory_budget_gib is not None:
+        _at_least("autoparallel.memory_budget_gib", a.memory_budget_gib, 1e-9)
+
+
+def _validate_parallelism(c: JobConfig) -> None:
+    p = c.parallelism
+    _at_least("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree, 1)
+    _at_least("parallelism.tensor_parallel_degree", p.tensor_parallel_degree, 1)
+    if p.data_parallel_shard_degree != -1:
+        _at_least("parallelism.data_parallel_shard_degree", p.data_parallel_shard_degree, 1)
+    for name in ("context_parallel_degree", "pipeline_parallel_degree"):
+        value = getattr(p, name)
+        if value != 1:
+            raise ConfigError(
+                f"parallelism.{name} = {value} is not supported yet; accepted: 1"
+            )
+
+
+def resolve_degrees(c: JobConfig, world_size: int) -> tuple[int, int, int]:
+    """(dp_replicate, dp_shard, tp) for ``world_size`` ranks, with -1 filled in."""
+    p = c.parallelism
+    rep, tp = p.data_parallel_replicate_degree, p.tensor_parallel_degree
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        if world_size % (rep * tp):
+            raise ConfigError(
+                f"data_parallel_replicate_degree ({rep}) x tensor_parallel_degree ({tp}) "
+                f"= {rep * tp} does not divide NGPU={world_size}; accepted: degrees whose "
+                f"product divides {world_size}"
+            )
+        shard = world_size // (rep * tp)
+    if rep * shard * tp != world_size:
+        raise ConfigError(
+            f"parallel degrees replicate {rep} x shard {shard} x tensor {tp} = "
+            f"{rep * shard * tp} do not match NGPU={world_size}; accepted: a product "
+            f"equal to {world_size} (data_parallel_shard_degree = -1 fills in the rest)"
+        )
+    return rep, shard, tp

@@ -1,0 +1,55 @@
+"""The few places where torchtitan 0.3.0 needs help to run on CPU (and gloo).
+
+Kept in one module so that each workaround is visible, documented and easy to
+drop when torchtitan fixes it upstream.
+
+1. Attention: torchtitan's language models default to FlexAttention, whose
+   backward has no CPU implementation, and ``get_attention_config("sdpa")`` is
+   refused for language models. We swap each layer's inner attention for
+   torchtitan's own ``ScaledDotProductAttention`` (causal, no document masks),
+   which runs forward and backward on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+
+def use_sdpa_attention(model_config) -> None:
+    """Point every layer of a torchtitan decoder config at causal SDPA."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for layer in model_config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+
+
+def point_torchtitan_at(device_type: str) -> None:
+    """Make torchtitan build meshes and pick backends for ``device_type``.
+
+    torchtitan resolves its device once at import time and falls back to
+    ``"cuda"`` when no accelerator exists, so on a CPU-only machine its meshes
+    and process groups would ask for CUDA. The value is copied into several
+    modules by ``from ... import device_type``; each copy is updated here.
+    """
+    import torch
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.tools.utils as tool_utils
+
+    module = torch.cpu if device_type == "cpu" else getattr(torch, device_type)
+    for m in (tool_utils, dist_utils):
+        m.device_type, m.device_module = device_type, module
+    parallel_dims.device_type = device_type
+
+
+def sum_reduce_gradients_on_gloo(model) -> None:
+    """Let FSDP2 reduce gradients with plain SUM.
+
+    FSDP2 as torchtitan configures it reduces with ``ReduceOp.PREMUL_SUM``,
+    which gloo does not implement. torchtitan already disables FSDP's own
+    gradient division (the loss is normalised by the global token count), so a
+    plain sum is numerically the same reduction.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,68 @@
+"""Process-group start-up: the device and backend are picked from the machine.
+
+* ``cuda`` + NCCL where GPUs exist, else ``cpu`` + gloo;
+* ``COMM_MODE=fake_backend``: one process plays rank 0 of ``NGPU`` ranks on a
+  fake process group, to check configs and plan for clusters we do not have.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_autoparallel.cpu_compat import point_torchtitan_at
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: torch.device
+    backend: str  # "nccl" | "gloo" | "fake"
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    @property
+    def fake(self) -> bool:
+        return self.backend == "fake"
+
+
+def detect_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_runtime(comm_mode: str = "") -> Runtime:
+    """Start the process group for this rank (torchrun sets RANK/WORLD_SIZE)."""
+    device_type = detect_device_type()
+    point_torchtitan_at(device_type)
+    if comm_mode == "fake_backend":
+        return _init_fake(int(os.environ.get("NGPU", os.environ.get("WORLD_SIZE", "1"))))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if "RANK" not in os.environ:  # a plain `python -m`: be a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+    return Runtime(device, backend, dist.get_rank(), dist.get_world_size(), local_rank)
+
+
+def _init_fake(world_size: int) -> Runtime:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    return Runtime(torch.device("cpu"), "fake", 0, world_size, 0)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,176 @@
+"""The sharding problem as plain arrays: the contract every solver reads.
+
+A plan is one strategy index per node. Its cost is a pairwise energy
+
+    E(x) = sum_v unary[v][x_v] + sum_e pairwise[e][x_u(e), x_v(e)]
+
+in microseconds, subject to
+
+    * pins: ``x_v == pins[v]`` for pinned nodes;
+    * ties: nodes in one tie group choose the same strategy index (repeated
+      transformer blocks share one solution; every member has the same number
+      of strategies);
+    * memory: ``sum_v memory[v][x_v] <= memory_budget`` (bytes per device),
+      where ``memory[v]`` is None for nodes that hold no parameter.
+
+``inf`` in a unary or pairwise table marks a forbidden choice. Solvers never
+return an assignment with infinite energy; if none exists they raise
+``InfeasibleProblem``.
+
+Keeping the problem as arrays (not solver variables) means it is built in
+vectorised form once and every solver is scored on exactly the same objective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_VERSION = 1
+
+
+class InfeasibleProblem(ValueError):
+    """No assignment satisfies the constraints (pins, ties, forbidden pairs, memory)."""
+
+
+@dataclass
+class Problem:
+    node_names: list[str]
+    strategy_labels: list[list[str]]
+    unary: list[np.ndarray]
+    edges: np.ndarray  # shape (E, 2), int64: (producer, consumer) node indices
+    pairwise: list[np.ndarray]  # pairwise[e].shape == (k[u], k[v])
+    memory: list[np.ndarray | None] = field(default_factory=list)
+    memory_budget: float | None = None
+    pins: dict[int, int] = field(default_factory=dict)
+    ties: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.edges = np.asarray(self.edges, dtype=np.int64).reshape(-1, 2)
+        if not self.memory:
+            self.memory = [None] * len(self.node_names)
+        self.validate()
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_names)
+
+    @property
+    def num_strategies(self) -> np.ndarray:
+        return np.array([len(u) for u in self.unary], dtype=np.int64)
+
+    def validate(self) -> None:
+        n = self.num_nodes
+        if not (len(self.strategy_labels) == len(self.unary) == len(self.memory) == n):
+            raise ValueError("node_names, strategy_labels, unary and memory differ in length")
+        k = self.num_strategies
+        if len(self.pairwise) != len(self.edges):
+            raise ValueError("one pairwise table per edge is required")
+        for e, (u, v) in enumerate(self.edges):
+            if self.pairwise[e].shape != (k[u], k[v]):
+                raise ValueError(
+                    f"edge {e} ({self.node_names[u]} -> {self.node_names[v]}): table "
+                    f"{self.pairwise[e].shape} != ({k[u]}, {k[v]})"
+                )
+        for v, s in self.pins.items():
+            if not 0 <= s < k[v]:
+                raise ValueError(f"pin of {self.node_names[v]} to {s} is out of range")
+        for group in self.ties:
+            if len({int(k[v]) for v in group}) > 1:
+                raise ValueError(f"tie group {group} mixes strategy counts")
+
+    def energy(self, assignment: np.ndarray) -> float:
+        """The objective of an assignment, recomputed from the tables."""
+        x = np.asarray(assignment, dtype=np.int64)
+        total = sum(float(self.unary[v][x[v]]) for v in range(self.num_nodes))
+        total += sum(
+            float(self.pairwise[e][x[u], x[v]]) for e, (u, v) in enumerate(self.edges)
+        )
+        return total
+
+    def memory_used(self, assignment: np.ndarray) -> float:
+        return sum(
+            float(m[assignment[v]]) for v, m in enumerate(self.memory) if m is not None
+        )
+
+    def is_feasible(self, assignment: np.ndarray, tol: float = 1e-6) -> bool:
+        x = np.asarray(assignment, dtype=np.int64)
+        if not np.isfinite(self.energy(x)):
+            return False
+        if any(x[v] != s for v, s in self.pins.items()):
+            return False
+        if any(len({int(x[v]) for v in g}) > 1 for g in self.ties):
+            return False
+        if self.memory_budget is not None:
+            return self.memory_used(x) <= self.memory_budget * (1 + tol)
+        return True
+
+    # --- export / import (documented in docs/problem_format.md) -------------
+
+    def save(self, path: str | Path) -> None:
+        """Write the problem as one ``.npz`` file that anyone can re-solve."""
+        arrays: dict[str, np.ndarray] = {
+            "format_version": np.array(FORMAT_VERSION),
+            "node_names": np.array(self.node_names, dtype=object),
+            "strategy_labels": np.array(
+                ["\x1f".join(labels) for labels in self.strategy_labels], dtype=object
+            ),
+            "num_strategies": self.num_strategies,
+            "unary": _concat(self.unary),
+            "edges": self.edges,
+            "pairwise": _concat([t.ravel() for t in self.pairwise]),
+            "memory_nodes": np.array(
+                [v for v, m in enumerate(self.memory) if m is not None], dtype=np.int64
+            ),
+            "memory": _concat([m for m in self.memory if m is not None]),
+            "memory_budget": np.array(
+                np.nan if self.memory_budget is None else self.memory_budget
+            ),
+            "pins": np.array(sorted(self.pins.items()), dtype=np.int64).reshape(-1, 2),
+            "tie_nodes": _concat([np.asarray(g, dtype=np.int64) for g in self.ties]),
+            "tie_sizes": np.array([len(g) for g in self.ties], dtype=np.int64),
+        }
+        np.savez_compressed(path, **arrays)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Problem:
+        with np.load(path, allow_pickle=True) as f:
+            if int(f["format_version"]) != FORMAT_VERSION:
+                raise ValueError(
+                    f"{path}: problem format {int(f['format_version'])}, expected {FORMAT_VERSION}"
+                )
+            k = f["num_strategies"]
+            edges = f["edges"].reshape(-1, 2)
+            unary = _split(f["unary"], k)
+            pairwise = [
+                t.reshape(k[u], k[v])
+                for t, (u, v) in zip(_split(f["pairwise"], k[edges[:, 0]] * k[edges[:, 1]]), edges)
+            ]
+            memory: list[np.ndarray | None] = [None] * len(k)
+            mem_nodes = f["memory_nodes"]
+            for v, m in zip(mem_nodes, _split(f["memory"], k[mem_nodes])):
+                memory[int(v)] = m
+            budget = float(f["memory_budget"])
+            ties = [g.tolist() for g in _split(f["tie_nodes"], f["tie_sizes"])]
+            return cls(
+                node_names=[str(s) for s in f["node_names"]],
+                strategy_labels=[str(s).split("\x1f") for s in f["strategy_labels"]],
+                unary=unary,
+                edges=edges,
+                pairwise=pairwise,
+                memory=memory,
+                memory_budget=None if np.isnan(budget) else budget,
+                pins={int(v): int(s) for v, s in f["pins"]},
+                ties=ties,
+            )
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def _split(flat: np.ndarray, sizes: np.ndarray) -> list[np.ndarray]:
+    bounds = np.cumsum(sizes)[:-1] if len(sizes) else []
+    return list(np.split(flat, bounds)) if len(sizes) else []

@@ -1,0 +1,142 @@
+"""Per-step metrics: the console line, ``metrics.jsonl`` and TensorBoard.
+
+tps is tokens per second per device; tflops and mfu use the model's FLOPs per
+token (6N plus attention, from torchtitan) against the device's peak.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("torchtitan_autoparallel")
+
+# Dense peak TFLOPs per GPU (datasheets); fp32 matmuls run on TF32 tensor cores.
+GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bfloat16": 989.0, "float32": 494.0},
+    "H100": {"bfloat16": 989.0, "float32": 494.0},
+    "A100": {"bfloat16": 312.0, "float32": 156.0},
+    "L40S": {"bfloat16": 362.0, "float32": 183.0},
+    "A10G": {"bfloat16": 70.0, "float32": 35.0},
+}
+
+
+@dataclass(frozen=True)
+class Peak:
+    tflops: float
+    source: str  # how it was obtained, for the log
+
+
+def measure_cpu_peak_tflops(seconds: float = 0.5, n: int = 512) -> float:
+    """fp32 matmul throughput of this process with its thread budget."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # warm-up: first call pays for thread-pool start
+    reps, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        torch.mm(a, b)
+        reps += 1
+    return 2 * n**3 * reps / elapsed / 1e12
+
+
+def resolve_peak(configured: float | None, device: torch.device, dtype: str) -> Peak:
+    if configured is not None:
+        return Peak(configured, "[metrics] peak_tflops")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, table in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return Peak(table[dtype], f"datasheet peak of {key}")
+        return Peak(GPU_PEAK_TFLOPS["A100"][dtype], f"unknown GPU {name!r}: assumed A100")
+    return Peak(measure_cpu_peak_tflops(), "measured by a start-up fp32 matmul benchmark")
+
+
+def memory_gib(device: torch.device) -> tuple[float, float]:
+    """(peak memory in GiB, percent of the device's capacity)."""
+    if device.type == "cuda":
+        used = torch.cuda.max_memory_allocated(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:  # peak resident set of this process against the machine's RAM
+        used = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return used / 2**30, 100.0 * used / total
+
+
+class MetricsLogger:
+    """Writes one record per logged step; only the logging rank writes files."""
+
+    def __init__(
+        self,
+        dump_folder: str,
+        *,
+        flops_per_token: float,
+        peak: Peak,
+        world_size: int,
+        device: torch.device,
+        writes: bool,
+        tensorboard_folder: str | None,
+    ) -> None:
+        self.flops_per_token = flops_per_token
+        self.peak = peak
+        self.world_size = world_size
+        self.device = device
+        self.writes = writes
+        self.jsonl = None
+        self.tb = None
+        if writes:
+            Path(dump_folder).mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(Path(dump_folder) / "metrics.jsonl", "a", buffering=1)
+            if tensorboard_folder:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(tensorboard_folder)
+        self._tokens = 0
+        self._last = time.perf_counter()
+
+    def add_tokens(self, global_tokens: int) -> None:
+        self._tokens += global_tokens
+
+    def log(self, step: int, loss: float, grad_norm: float, lr: float) -> dict:
+        now = time.perf_counter()
+        elapsed, self._last = now - self._last, now
+        tps = self._tokens / max(elapsed, 1e-9) / self.world_size
+        self._tokens = 0
+        tflops = self.flops_per_token * tps / 1e12
+        mem, mem_pct = memory_gib(self.device)
+        record = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "tps": tps,
+            "tflops": tflops,
+            "mfu": 100.0 * tflops / self.peak.tflops,
+            "memory_gib": mem,
+            "memory_pct": mem_pct,
+            "lr": lr,
+            "step_time_s": elapsed,
+        }
+        logger.info(
+            f"step: {step:2d}  loss: {loss:7.4f}  grad_norm: {grad_norm:7.4f}  "
+            f"memory: {mem:5.2f}GiB({mem_pct:.2f}%)  tps: {tps:,.0f}  "
+            f"tflops: {tflops:,.3f}  mfu: {record['mfu']:.2f}%"
+        )
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step":
+                    self.tb.add_scalar(f"train/{key}", value, step)
+            self.tb.flush()
+        return record
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

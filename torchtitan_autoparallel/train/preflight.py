@@ -1,0 +1,49 @@
+"""Check a job before any rank starts, so bad input is reported once, in one line.
+
+``run_train.sh`` runs this with the same arguments as the job plus ``--ngpu``;
+a non-zero exit stops the launch before torchrun prints per-rank failures.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from torchtitan_autoparallel.config import JobConfig, load_config, resolve_degrees
+from torchtitan_autoparallel.errors import ConfigError, UserError
+
+
+def check(job: JobConfig, ngpu: int) -> None:
+    from torchtitan_autoparallel.models.registry import build_model_config, get_entry
+    from torchtitan_autoparallel.train.setup import check_model_fits_mesh
+
+    degrees = resolve_degrees(job, ngpu)
+    entry = get_entry(job.model.name)
+    check_model_fits_mesh(build_model_config(entry.family, job.model.flavor), degrees)
+    t = job.training
+    if t.dataset in ("text", "jsonl") and not Path(t.dataset_path).exists():
+        raise ConfigError(
+            f"training.dataset_path {t.dataset_path!r} does not exist; accepted: a {t.dataset} "
+            f"file or a folder of them"
+        )
+
+
+def main(argv: list[str]) -> int:
+    try:
+        if len(argv) < 2 or argv[0] != "--ngpu":
+            raise ConfigError("usage: preflight --ngpu N [--section.key value ...]")
+        try:
+            ngpu = int(argv[1])
+        except ValueError:
+            raise ConfigError(f"NGPU={argv[1]!r} is not a number; accepted: a positive integer") from None
+        if ngpu < 1:
+            raise ConfigError(f"NGPU={ngpu}; accepted: a positive integer")
+        check(load_config(argv[2:]), ngpu)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

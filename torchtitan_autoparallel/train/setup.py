@@ -1,0 +1,206 @@
+"""Everything a training run holds, built once: model, optimizer, data, metrics, step."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan_autoparallel.config import JobConfig
+from torchtitan_autoparallel.distributed.runtime import Runtime
+from torchtitan_autoparallel.errors import ConfigError
+from torchtitan_autoparallel.models.parallelize import (
+    apply_manual_parallelism,
+    build_parallel_dims,
+    prepare_model_config,
+)
+from torchtitan_autoparallel.train.loss import cross_entropy_loss
+from torchtitan_autoparallel.train.metrics import MetricsLogger, resolve_peak
+from torchtitan_autoparallel.train.optim import build_lr_scheduler, build_optimizer
+
+logger = logging.getLogger("torchtitan_autoparallel")
+
+# Below this many parameter bytes every rank materialises the unsharded model to
+# initialise it, so the sharded weights equal a 1-rank run's bit for bit.
+FULL_INIT_MAX_BYTES = 2 * 2**30
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+
+
+def check_model_fits_mesh(model_config, degrees: tuple[int, int, int]) -> None:
+    tp = degrees[2]
+    attention = model_config.layers[0].attention
+    n_heads = attention.n_heads
+    n_kv = attention.n_kv_heads or n_heads
+    if n_heads % tp or n_kv % tp:
+        raise ConfigError(
+            f"tensor_parallel_degree {tp} does not divide the model's {n_heads} attention "
+            f"heads and {n_kv} key/value heads; accepted: a common divisor of both"
+        )
+
+
+@dataclass
+class Training:
+    job: JobConfig
+    runtime: Runtime
+    model: nn.Module
+    model_id: str
+    optimizer: torch.optim.Optimizer | None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    dataloader: object | None
+    metrics: MetricsLogger | None
+    dp_degree: int
+    dp_group: dist.ProcessGroup | None
+    global_tokens_per_step: int
+    n_params: int
+
+    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        inputs, labels = (x.to(self.runtime.device) for x in batch)
+        self.optimizer.zero_grad()
+        pred = self.model(inputs)
+        if isinstance(pred, DTensor):
+            pred = pred.full_tensor()
+        # Data-parallel gradients are summed (not averaged) across ranks, so the
+        # local mean is divided by the data-parallel degree: the sum is then the
+        # gradient of the global mean.
+        loss = cross_entropy_loss(pred, labels) / self.dp_degree
+        loss.backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = clip_grad_norm_(params, self.job.training.max_norm, foreach=True)
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss.detach(), grad_norm
+
+    def global_loss(self, local_loss: torch.Tensor) -> float:
+        total = local_loss.clone()
+        if self.dp_degree > 1:
+            dist.all_reduce(total, group=self.dp_group)
+        return float(total)
+
+    def summary(self) -> str:
+        lines = [f"{self.n_params:,} parameters; placements of the first tensors:"]
+        for name, p in list(self.model.named_parameters())[:8]:
+            placements = getattr(p, "placements", None)
+            lines.append(f"  {name:50s} {tuple(p.shape)} {placements}")
+        return "\n".join(lines)
+
+
+def build_training(
+    job: JobConfig, runtime: Runtime, family: str, model_config, degrees: tuple[int, int, int]
+) -> Training:
+    dims = build_parallel_dims(job, degrees, runtime.world_size)
+    prepare_model_config(model_config, job, degrees)
+    with torch.device("meta"):
+        model = model_config.build()
+    n_params, flops_per_token = model_config.get_nparams_and_flops(model, job.training.seq_len)
+    model = apply_manual_parallelism(model, family, job, degrees, dims, runtime)
+    dp_degree, dp_rank, dp_group = _data_parallel_coords(dims)
+    t = job.training
+    common = dict(
+        job=job,
+        runtime=runtime,
+        model=model,
+        model_id=f"{family}:{job.model.flavor}",
+        dp_degree=dp_degree,
+        dp_group=dp_group,
+        global_tokens_per_step=t.local_batch_size * t.seq_len * dp_degree,
+        n_params=n_params,
+    )
+    if runtime.fake:
+        return Training(optimizer=None, scheduler=None, dataloader=None, metrics=None, **common)
+    _materialize(model, model_config, job.training.seed, runtime.device)
+    optimizer = build_optimizer(model, job.optimizer)
+    return Training(
+        optimizer=optimizer,
+        scheduler=build_lr_scheduler(optimizer, t.steps, job.lr_scheduler),
+        dataloader=_build_data(job, model_config, dp_rank, dp_degree),
+        metrics=_build_metrics(job, runtime, flops_per_token),
+        **common,
+    )
+
+
+def _data_parallel_coords(dims) -> tuple[int, int, dist.ProcessGroup | None]:
+    if not dims.dp_enabled:
+        return 1, 0, None
+    mesh = dims.get_mesh("batch")
+    return mesh.size(), mesh.get_local_rank(), mesh.get_group()
+
+
+def _materialize(model: nn.Module, model_config, seed: int, device: torch.device) -> None:
+    """Allocate the sharded weights and initialise them as a 1-rank run would."""
+    model.to_empty(device=device)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    torch.manual_seed(seed)
+    if param_bytes > FULL_INIT_MAX_BYTES:
+        # Too big to materialise whole on every rank: torchtitan's sharded init.
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        return
+    with torch.device(device):
+        full = model_config.build()
+    with torch.no_grad():
+        full.init_weights(buffer_device=None)
+    full_tensors = dict(full.named_parameters()) | dict(full.named_buffers())
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        _copy_into(tensor, full_tensors[name])
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    with torch.no_grad():
+        if isinstance(dst, DTensor):
+            src = distribute_tensor(src, dst.device_mesh, dst.placements, src_data_rank=None)
+            dst.to_local().copy_(src.to_local())
+        else:
+            dst.copy_(src)
+
+
+def _build_data(job: JobConfig, model_config, dp_rank: int, dp_degree: int):
+    from torchtitan_autoparallel.data.dataset import build_dataloader
+    from torchtitan_autoparallel.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(job.model.tokenizer_path)
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ConfigError(
+            f"tokenizer {job.model.tokenizer_path!r} has {tokenizer.vocab_size} tokens but the "
+            f"model's vocabulary is {model_config.vocab_size}; accepted: a tokenizer of at most "
+            f"{model_config.vocab_size} tokens"
+        )
+    t = job.training
+    return build_dataloader(
+        tokenizer,
+        dataset=t.dataset,
+        dataset_path=t.dataset_path,
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        seed=t.seed,
+    )
+
+
+def _build_metrics(job: JobConfig, runtime: Runtime, flops_per_token: float) -> MetricsLogger:
+    peak = resolve_peak(job.metrics.peak_tflops, runtime.device, job.training.mixed_precision_param)
+    logger.info(f"MFU peak: {peak.tflops:.4f} TFLOPs per device ({peak.source})")
+    tb = None
+    if job.metrics.enable_tensorboard:
+        tb = f"{job.job.dump_folder}/{job.metrics.save_tb_folder}"
+    return MetricsLogger(
+        job.job.dump_folder,
+        flops_per_token=flops_per_token,
+        peak=peak,
+        world_size=runtime.world_size,
+        device=runtime.device,
+        writes=runtime.rank == 0,
+        tensorboard_folder=tb,
+    )
