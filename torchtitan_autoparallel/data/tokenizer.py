@@ -8,6 +8,8 @@ from pathlib import Path
 
 import tokenizers
 
+from torchtitan_autoparallel.errors import UserError
+
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 DEFAULT_TOKENIZER_PATH = ASSETS_DIR / "tokenizer.json"
 
@@ -17,7 +19,7 @@ _BOS_CANDIDATES = ("<|bos|>", "<|begin_of_text|>", "<s>", "<|endoftext|>")
 _EOS_CANDIDATES = ("<|eos|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A tokenizer or dataset setting that cannot be honoured, said in one line."""
 
 

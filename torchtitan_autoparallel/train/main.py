@@ -59,11 +59,22 @@ def run(job: JobConfig) -> int:
         f"rank(s) ({runtime.backend}); replicate {degrees[0]} x shard {degrees[1]} x tensor {degrees[2]}"
     )
     if entry.auto_parallel:
-        raise UserError(
-            f"model.name {job.model.name!r}: the automatic planner is not available in this "
-            f"build yet; accepted for training now: llama3, qwen3"
-        )
+        return run_auto_parallel(job, runtime, model_config, degrees)
     return train(job, runtime, entry.family, model_config, degrees)
+
+
+def run_auto_parallel(job: JobConfig, runtime: Runtime, model_config, degrees) -> int:
+    from torchtitan_autoparallel.train.auto import plan_job
+
+    plan_job(job, runtime, model_config, degrees)
+    if runtime.fake:
+        logger.info("COMM_MODE=fake_backend: plan written; no training on a fake process group")
+        return 0
+    raise UserError(
+        f"model.name {job.model.name!r}: running an automatic plan on real process groups is "
+        f"not available yet; accepted now: COMM_MODE=fake_backend to plan, or llama3 / qwen3 "
+        f"to train with torchtitan's hand-written plans"
+    )
 
 
 def train(job: JobConfig, runtime: Runtime, family: str, model_config, degrees) -> int:
