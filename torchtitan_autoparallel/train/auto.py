@@ -46,6 +46,7 @@ def plan_job(job: JobConfig, runtime: Runtime, model_config, degrees: tuple[int,
     """Plan the job's training step and write ``<dump_folder>/plan.json``."""
     from torchtitan_autoparallel.planner.api import plan_training_step
     from torchtitan_autoparallel.planner.problem import InfeasibleProblem
+    from torchtitan_autoparallel.planner.solvers.ilp import SolverTimeout
 
     mesh = build_auto_mesh(runtime, degrees)
     with torch.device("meta"):
@@ -68,6 +69,10 @@ def plan_job(job: JobConfig, runtime: Runtime, model_config, degrees: tuple[int,
         )
     except InfeasibleProblem as e:
         raise UserError(f"autoparallel.memory_budget_gib = {a.memory_budget_gib}: {e}") from None
+    except SolverTimeout as e:
+        raise UserError(
+            f"autoparallel.time_limit_s = {a.time_limit_s}: {e}; accepted: a larger time limit"
+        ) from None
     if runtime.rank == 0:
         folder = Path(job.job.dump_folder)
         folder.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,309 @@
+"""Exact solvers: the local-polytope ILP of ``ilp_model`` solved by HiGHS or CBC.
+
+Both backends share the model, the result checks and the infeasibility
+diagnosis; they differ only in how the arrays reach the solver (HiGHS takes
+the CSR matrix as is, CBC goes through PuLP's per-variable objects).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solvers.ilp_model import (
+    IlpModel,
+    build_ilp,
+    memory_message,
+)
+
+LOG = logging.getLogger("torchtitan_autoparallel.planner")
+PROGRESS_EVERY_S = 5.0
+MIP_REL_GAP = 1e-9  # small enough that "optimal" really means optimal
+OBJECTIVE_RTOL = 1e-6
+
+
+class SolverTimeout(TimeoutError):
+    """The time limit ran out before any feasible plan was found."""
+
+
+@dataclass
+class _Run:
+    status: str  # "optimal" | "time_limit" | "feasible" | "infeasible" | "no_solution"
+    col_value: np.ndarray | None = None
+    objective: float = math.nan  # the solver's own figure, model.offset excluded
+    bound: float = -math.inf  # the solver's best bound, model.offset excluded
+
+
+class _IlpSolver:
+    """Shared flow: build, run the backend, verify, diagnose infeasibility."""
+
+    name: str
+
+    def _run(self, model: IlpModel, time_limit: float | None) -> _Run:
+        raise NotImplementedError
+
+    def solve(self, problem: Problem, time_limit: float | None = None) -> Solution:
+        start = time.perf_counter()
+        if problem.num_nodes == 0:
+            return Solution(np.zeros(0, np.int64), 0.0, 0.0, self.name, "optimal", 0.0)
+        model = build_ilp(problem)
+        LOG.info(
+            "%s: %d nodes, %d edges -> %s (built in %.2f s)",
+            self.name, problem.num_nodes, len(problem.edges), model.describe(),
+            time.perf_counter() - start,
+        )
+        run = self._run(model, _remaining(start, time_limit))
+        if run.status == "infeasible":
+            raise InfeasibleProblem(self._why_infeasible(problem, model, start, time_limit))
+        if run.status == "no_solution":
+            raise SolverTimeout(f"{self.name}: no feasible plan found within {time_limit} s")
+        assignment = model.assignment(run.col_value)
+        objective = problem.energy(assignment)
+        _check_objective(self.name, objective, run.objective + model.offset)
+        if not problem.is_feasible(assignment):
+            raise RuntimeError(f"{self.name}: the solver's plan violates the problem's constraints")
+        if run.status == "optimal":
+            lower = objective
+        else:
+            lower = min(objective, run.bound + model.offset)
+        seconds = time.perf_counter() - start
+        LOG.info(
+            "%s: %s, objective %.6g us, bound %.6g us, %.2f s",
+            self.name, run.status, objective, lower, seconds,
+        )
+        return Solution(assignment, objective, lower, self.name, run.status, seconds)
+
+    def _why_infeasible(
+        self, problem: Problem, model: IlpModel, start: float, time_limit: float | None
+    ) -> str:
+        """Name the smallest feasible memory budget when the budget is the culprit."""
+        base = "no plan satisfies the pins, ties and forbidden (inf) choices"
+        if not model.has_memory_row:
+            return base
+        relaxed = model.min_memory_model()
+        LOG.info("%s: infeasible; minimising memory to find the smallest budget", self.name)
+        run = self._run(relaxed, _remaining(start, time_limit))
+        if run.status == "infeasible":
+            return base + " (even without the memory budget)"
+        if run.status == "no_solution":
+            return (
+                "infeasible under the memory budget; the time limit stopped the search "
+                "for the smallest feasible one"
+            )
+        minimum = problem.memory_used(relaxed.assignment(run.col_value))
+        message = memory_message(problem.memory_budget, minimum)
+        if run.status != "optimal":
+            message += " (not proven smallest: time limit)"
+        return message
+
+
+def _remaining(start: float, time_limit: float | None) -> float | None:
+    if time_limit is None:
+        return None
+    # a re-run after an infeasible first attempt still gets a usable slice
+    return max(time_limit - (time.perf_counter() - start), min(1.0, time_limit))
+
+
+def _check_objective(name: str, energy: float, solver_objective: float) -> None:
+    if not math.isclose(energy, solver_objective, rel_tol=OBJECTIVE_RTOL, abs_tol=OBJECTIVE_RTOL):
+        raise RuntimeError(
+            f"{name}: recomputed energy {energy!r} differs from the solver's objective "
+            f"{solver_objective!r}"
+        )
+
+
+class _Heartbeat:
+    """Logs progress every few seconds from a side thread while a solver runs.
+
+    HiGHS only calls back at certain points of its MIP loop (none during a long
+    root LP) and CBC runs in a subprocess, so a timer thread is the one way to
+    get a steady pulse; both release the GIL while they work.
+    """
+
+    def __init__(self, name: str, summary: Callable[[], str] = lambda: "") -> None:
+        self.name, self.summary = name, summary
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._start = time.perf_counter()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(PROGRESS_EVERY_S):
+            elapsed = time.perf_counter() - self._start
+            LOG.info("%s: %.0f s elapsed%s", self.name, elapsed, self.summary())
+
+    def __enter__(self) -> _Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class _MipStats:
+    """Keeps HiGHS' latest incumbent and bound (from its MIP callback) for the heartbeat."""
+
+    def __init__(self, offset: float) -> None:
+        self.offset = offset
+        self.latest: tuple[int, float, float] | None = None
+
+    def __call__(self, event) -> None:  # noqa: ANN001 (highspy's event type)
+        out = event.data_out  # stored raw: formatting here would slow every callback
+        self.latest = (out.mip_node_count, out.mip_primal_bound, out.mip_dual_bound)
+
+    def summary(self) -> str:
+        if self.latest is None:
+            return " (before the first MIP node)"
+        nodes, primal, dual = self.latest
+        return (
+            f", {nodes} B&B nodes, incumbent {primal + self.offset:.6g} us, "
+            f"bound {dual + self.offset:.6g} us"
+        )
+
+
+class HighsILPSolver(_IlpSolver):
+    def __init__(self, name: str = "ilp-highs", threads: int | None = None) -> None:
+        self.name = name
+        self.threads = threads
+
+    def _run(self, model: IlpModel, time_limit: float | None) -> _Run:
+        import highspy
+
+        if model.num_nz >= 2**31:
+            raise ValueError(f"{self.name}: {model.num_nz} nonzeros exceed HiGHS' int32 indices")
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
+        if time_limit is not None:
+            h.setOptionValue("time_limit", float(time_limit))
+        if self.threads is not None:
+            h.setOptionValue("threads", int(self.threads))
+        integrality = np.zeros(model.num_col, dtype=np.int32)
+        integrality[: model.num_x] = int(highspy.HighsVarType.kInteger)
+        status = h.passModel(
+            model.num_col, model.num_row, model.num_nz,
+            int(highspy.MatrixFormat.kRowwise), int(highspy.ObjSense.kMinimize), 0.0,
+            model.col_cost, np.zeros(model.num_col), np.ones(model.num_col),
+            model.row_lower, model.row_upper,
+            model.row_start[:-1].astype(np.int32), model.row_index.astype(np.int32),
+            model.row_value, integrality,
+        )
+        if status == highspy.HighsStatus.kError:
+            raise RuntimeError(f"{self.name}: HiGHS rejected the model")
+        if model.start is not None:
+            values = model.col_values(model.start)
+            h.setSolution(len(values), np.arange(len(values), dtype=np.int32), values)
+        stats = _MipStats(model.offset)
+        h.cbMipInterrupt.subscribe(stats)
+        with _Heartbeat(self.name, stats.summary):
+            h.run()
+        return self._result(h, highspy)
+
+    def _result(self, h, highspy) -> _Run:  # noqa: ANN001 (highspy objects)
+        ms = h.getModelStatus()
+        info = h.getInfo()
+        has_solution = info.primal_solution_status == highspy.kSolutionStatusFeasible
+        kinds = highspy.HighsModelStatus
+        if ms in (kinds.kInfeasible, kinds.kUnboundedOrInfeasible):
+            return _Run("infeasible")
+        if ms == kinds.kOptimal:
+            status = "optimal"
+        elif ms in (kinds.kTimeLimit, kinds.kInterrupt, kinds.kIterationLimit,
+                    kinds.kSolutionLimit):
+            status = "time_limit" if has_solution else "no_solution"
+        else:
+            raise RuntimeError(f"{self.name}: HiGHS ended with {h.modelStatusToString(ms)}")
+        if status == "no_solution":
+            return _Run(status)
+        values = np.asarray(h.getSolution().col_value, dtype=np.float64)
+        return _Run(status, values, info.objective_function_value, info.mip_dual_bound)
+
+
+class CbcILPSolver(_IlpSolver):
+    def __init__(self, name: str = "ilp-cbc") -> None:
+        self.name = name
+
+    def _run(self, model: IlpModel, time_limit: float | None) -> _Run:
+        import pulp
+
+        t0 = time.perf_counter()
+        prob, cols = _to_pulp(model, pulp)
+        LOG.info("%s: PuLP model ready in %.2f s, running CBC", self.name, time.perf_counter() - t0)
+        time_limit = _remaining(t0, time_limit)  # PuLP's object building counts too
+        fd, log_path = tempfile.mkstemp(prefix="cbc-", suffix=".log")
+        os.close(fd)
+        try:
+            if model.start is not None:
+                for var, val in zip(cols, model.col_values(model.start).tolist()):
+                    var.setInitialValue(val)
+            with warnings.catch_warnings():
+                # PuLP 3.3 flags its bundled CBC as deprecated (for 4.0); it is what we pin
+                warnings.simplefilter("ignore", DeprecationWarning)
+                cmd = pulp.PULP_CBC_CMD(
+                    msg=False, timeLimit=time_limit, gapRel=MIP_REL_GAP, logPath=log_path,
+                    warmStart=model.start is not None,
+                )
+                with _Heartbeat(self.name):
+                    prob.solve(cmd)
+            with open(log_path, errors="replace") as f:
+                log_text = f.read()
+        finally:
+            os.unlink(log_path)
+        stopped = "Stopped on time" in log_text or prob.status == pulp.LpStatusNotSolved
+        # CBC can call a problem infeasible when the clock stops it before its first
+        # LP ends; a known-feasible warm start or "stopped on time" in the log disproves it
+        if prob.status in (pulp.LpStatusInfeasible, pulp.LpStatusNotSolved):
+            if model.start is not None:
+                values = model.col_values(model.start)
+                status = "time_limit" if stopped else "feasible"
+                return _Run(status, values, float(model.col_cost @ values))
+            return _Run("no_solution" if stopped else "infeasible")
+        if prob.status != pulp.LpStatusOptimal:
+            raise RuntimeError(f"{self.name}: CBC ended with {pulp.LpStatus[prob.status]}")
+        values = np.array([v.varValue or 0.0 for v in cols], dtype=np.float64)
+        objective = float(pulp.value(prob.objective) or 0.0)
+        if prob.sol_status == pulp.LpSolutionOptimal:
+            return _Run("optimal", values, objective, objective)
+        return _Run("time_limit", values, objective, _cbc_bound(log_text, objective))
+
+
+def _to_pulp(model: IlpModel, pulp) -> tuple:  # noqa: ANN001 (the pulp module)
+    """PuLP needs one object per variable; build them in bulk from the CSR arrays."""
+    prob = pulp.LpProblem("sharding", pulp.LpMinimize)
+    cols = [prob.add_variable(f"x{i}", 0, 1, cat=pulp.LpBinary) for i in range(model.num_x)]
+    cols += [prob.add_variable(f"y{i}", 0.0, 1.0) for i in range(model.num_col - model.num_x)]
+    nz = np.flatnonzero(model.col_cost)
+    costs = zip(nz.tolist(), model.col_cost[nz].tolist())
+    prob.setObjective(pulp.LpAffineExpression([(cols[j], c) for j, c in costs]))
+    index, value = model.row_index.tolist(), model.row_value.tolist()
+    start = model.row_start.tolist()
+    for r in range(model.num_row):
+        terms = [(cols[index[p]], value[p]) for p in range(start[r], start[r + 1])]
+        lo, hi = float(model.row_lower[r]), float(model.row_upper[r])
+        sense, rhs = (pulp.LpConstraintEQ, hi) if lo == hi else (pulp.LpConstraintLE, hi)
+        prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), sense, rhs=rhs))
+    return prob, cols
+
+
+def _cbc_bound(log_text: str, objective: float) -> float:
+    """CBC's best bound from its log (PuLP does not expose it); -inf if absent."""
+    found = re.search(r"Lower bound:\s*([-+0-9.eE]+)", log_text)
+    if not found:
+        return -math.inf
+    # CBC's printed figures may differ from ours by PuLP's handling of constants;
+    # keep only the gap it proves, applied to our objective
+    printed = re.search(r"Objective value:\s*([-+0-9.eE]+)", log_text)
+    gap = float(printed.group(1)) - float(found.group(1)) if printed else math.inf
+    return objective - max(gap, 0.0)
