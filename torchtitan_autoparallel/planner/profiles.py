@@ -1,0 +1,161 @@
+"""Hardware profiles: the few numbers the cost model needs about a machine.
+
+Units: microseconds, bytes, GB/s (1e9 bytes per second) and TFLOP/s (1e12).
+The built-in figures and their sources are listed in docs/cost_model.md.
+A profile is a frozen, hashable value so cost functions can be memoised on it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+PEAK_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One communication link class: per-message latency and per-GPU bandwidth."""
+
+    latency_us: float
+    bandwidth_GBps: float
+
+    def __post_init__(self) -> None:
+        if self.latency_us < 0 or self.bandwidth_GBps <= 0:
+            raise ValueError(f"bad Link {self}: need latency_us >= 0 and bandwidth_GBps > 0")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    peak_tflops: dict[str, float]  # dense peak per dtype, keys PEAK_DTYPES
+    mem_bandwidth_GBps: float
+    devices_per_node: int
+    intra_node: Link
+    inter_node: Link
+    compute_efficiency: float  # fraction of peak that large matmuls reach
+    kernel_overhead_us: float  # fixed cost per launched kernel
+
+    def __post_init__(self) -> None:
+        missing = [k for k in PEAK_DTYPES if k not in self.peak_tflops]
+        if missing:
+            raise ValueError(f"profile {self.name!r}: peak_tflops lacks {missing}")
+        if any(v <= 0 for v in self.peak_tflops.values()):
+            raise ValueError(f"profile {self.name!r}: peak_tflops must be > 0")
+        if self.mem_bandwidth_GBps <= 0 or self.devices_per_node < 1:
+            raise ValueError(f"profile {self.name!r}: mem_bandwidth_GBps and devices_per_node must be > 0")
+        if not 0 < self.compute_efficiency <= 1:
+            raise ValueError(f"profile {self.name!r}: compute_efficiency must be in (0, 1]")
+        if self.kernel_overhead_us < 0:
+            raise ValueError(f"profile {self.name!r}: kernel_overhead_us must be >= 0")
+
+    # The dict field would make the generated hash fail; hashing its sorted
+    # items keeps profiles usable as lru_cache keys.  Treat the dict as frozen.
+    def __hash__(self) -> int:
+        return hash(
+            (
+                self.name,
+                tuple(sorted(self.peak_tflops.items())),
+                self.mem_bandwidth_GBps,
+                self.devices_per_node,
+                self.intra_node,
+                self.inter_node,
+                self.compute_efficiency,
+                self.kernel_overhead_us,
+            )
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        missing = sorted(names - set(data))
+        if unknown or missing:
+            raise ValueError(f"bad hardware profile: missing fields {missing}, unknown fields {unknown}")
+        kwargs = dict(data)
+        kwargs["peak_tflops"] = {str(k): float(v) for k, v in data["peak_tflops"].items()}
+        kwargs["intra_node"] = Link(**data["intra_node"])
+        kwargs["inter_node"] = Link(**data["inter_node"])
+        kwargs["devices_per_node"] = int(data["devices_per_node"])
+        for key in ("mem_bandwidth_GBps", "compute_efficiency", "kernel_overhead_us"):
+            kwargs[key] = float(data[key])
+        return cls(**kwargs)
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> HardwareProfile:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# H100 SXM5: fp32 matmuls are priced at dense TF32 (494.7), assuming float32
+# matmul precision "high"; without TF32 they would reach only the 67 TFLOP/s
+# of the fp32 CUDA cores.  Sources: docs/cost_model.md.
+_H100 = HardwareProfile(
+    name="h100",
+    peak_tflops={"float32": 494.7, "bfloat16": 989.4, "float16": 989.4},
+    mem_bandwidth_GBps=3350.0,
+    devices_per_node=8,
+    intra_node=Link(latency_us=3.0, bandwidth_GBps=450.0),  # NVLink4, 900 GB/s bidir
+    inter_node=Link(latency_us=8.0, bandwidth_GBps=50.0),  # NDR 400 Gb/s per GPU
+    compute_efficiency=0.70,
+    kernel_overhead_us=3.0,
+)
+
+_A100 = HardwareProfile(
+    name="a100",
+    peak_tflops={"float32": 156.0, "bfloat16": 312.0, "float16": 312.0},
+    mem_bandwidth_GBps=2039.0,
+    devices_per_node=8,
+    intra_node=Link(latency_us=3.0, bandwidth_GBps=300.0),  # NVLink3, 600 GB/s bidir
+    inter_node=Link(latency_us=10.0, bandwidth_GBps=25.0),  # HDR 200 Gb/s per GPU
+    compute_efficiency=0.75,
+    kernel_overhead_us=4.0,
+)
+
+# A small shared CPU box running every rank as a gloo process over loopback.
+# devices_per_node is huge so every mesh dim is "intra"; both links are the
+# same loopback anyway.  bf16/fp16 matmuls are slower than fp32 on CPUs
+# without AMX, hence the lower peaks.
+_CPU_GLOO = HardwareProfile(
+    name="cpu_gloo",
+    peak_tflops={"float32": 0.1, "bfloat16": 0.03, "float16": 0.02},
+    mem_bandwidth_GBps=15.0,
+    devices_per_node=1 << 20,
+    intra_node=Link(latency_us=80.0, bandwidth_GBps=2.0),
+    inter_node=Link(latency_us=80.0, bandwidth_GBps=2.0),
+    compute_efficiency=0.6,
+    kernel_overhead_us=10.0,
+)
+
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (_H100, _A100, _CPU_GLOO)}
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A built-in profile by name, or a profile saved with ``HardwareProfile.to_json``."""
+    key = str(name_or_path)
+    if key in BUILTIN_PROFILES:
+        return BUILTIN_PROFILES[key]
+    path = Path(key)
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"hardware profile file {key!r} does not exist")
+        return HardwareProfile.from_json(path)
+    names = ", ".join(sorted(BUILTIN_PROFILES))
+    raise ValueError(f"unknown hardware profile {key!r}: use one of {names} or a path to a .json profile")
+
+
+def default_profile_name(device_type: str, fake_backend: bool) -> str:
+    """The profile to price a plan with when the user names none."""
+    # A fake-backend dry run plans for the real GPU cluster it stands in for.
+    if fake_backend or device_type == "cuda":
+        return "h100"
+    if device_type == "cpu":
+        return "cpu_gloo"
+    raise ValueError(f"no default hardware profile for device type {device_type!r}; pass one explicitly")
