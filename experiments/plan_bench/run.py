@@ -1,0 +1,163 @@
+"""Planning benchmark: per-stage time, problem size, objective and bound.
+
+Each case plans in a fresh process on a fake process group of its world size
+(one CPU process, no real memory), exactly as a ``COMM_MODE=fake_backend`` dry
+run does, and the results are written to ``results.json`` and ``README.md``
+beside this file.
+
+    .venv/bin/python experiments/plan_bench/run.py              # every case
+    .venv/bin/python experiments/plan_bench/run.py --only debug  # cases whose name contains "debug"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    family: str
+    flavor: str
+    n_layers: int | None
+    mesh_names: tuple[str, ...]
+    mesh_sizes: tuple[int, ...]
+    local_batch: int  # per data-parallel rank
+    seq_len: int
+    time_limit_s: float = 600.0
+
+    @property
+    def dp(self) -> int:
+        return _prod(s for n, s in zip(self.mesh_names, self.mesh_sizes) if n.startswith("dp"))
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+CASES = [
+    Case("llama3-debug 1-D dp_shard=8", "llama3", "debugmodel", None, ("dp_shard",), (8,), 4, 256),
+    Case("llama3-debug 1-D dp_shard=64", "llama3", "debugmodel", None, ("dp_shard",), (64,), 1, 256),
+    Case("llama3-debug 2-D 8x8", "llama3", "debugmodel", None, ("dp_shard", "tp"), (8, 8), 1, 256),
+    Case("llama3-8B 2 layers 1-D dp_shard=8", "llama3", "8B", 2, ("dp_shard",), (8,), 1, 2048),
+    Case("llama3-8B 2 layers 1-D dp_shard=64", "llama3", "8B", 2, ("dp_shard",), (64,), 1, 2048),
+    Case("llama3-8B 2 layers 2-D 8x8", "llama3", "8B", 2, ("dp_shard", "tp"), (8, 8), 1, 2048),
+    Case("llama3-8B 32 layers 1-D dp_shard=64", "llama3", "8B", None, ("dp_shard",), (64,), 1, 2048),
+    Case("llama3-8B 32 layers 2-D 8x8", "llama3", "8B", None, ("dp_shard", "tp"), (8, 8), 1, 2048),
+]
+
+# Runs inside the child process: plan one case and print its summary as JSON.
+_CHILD = r"""
+import json, resource, sys, time
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torchtitan_autoparallel.models.registry import build_meta_model
+from torchtitan_autoparallel.planner.api import plan_training_step
+from torchtitan_autoparallel.planner.profiles import load_profile
+c = json.loads(sys.argv[1])
+world = 1
+for s in c["mesh_sizes"]:
+    world *= s
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+mesh = init_device_mesh("cpu", tuple(c["mesh_sizes"]), mesh_dim_names=tuple(c["mesh_names"]))
+model = build_meta_model(c["family"], c["flavor"], c["n_layers"])
+plan = plan_training_step(model, mesh, global_batch_size=c["local_batch"] * c["dp"], seq_len=c["seq_len"],
+                          profile=load_profile("h100"), time_limit_s=c["time_limit_s"])
+print("RESULT " + json.dumps({
+    "timings": plan.timings, "objective_us": plan.objective, "lower_bound_us": plan.lower_bound,
+    "solver": plan.solver, "status": plan.status, "predicted": plan.predicted,
+    "problem": getattr(plan, "problem_size", None), "replicated_ops": plan.replicated_ops,
+    "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    "parameters_sample": dict(list(plan.parameters.items())[:8]),
+}))
+"""
+
+
+def run_case(case: Case) -> dict:
+    spec = json.dumps({**asdict(case), "dp": case.dp})
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, spec], capture_output=True, text=True, timeout=case.time_limit_s + 600
+    )
+    wall = time.perf_counter() - start
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"case": case.name, "error": tail[0], "wall_s": wall}
+    return {"case": case.name, "wall_s": wall, **json.loads(lines[-1][len("RESULT "):])}
+
+
+def command_for(case: Case) -> str:
+    return f".venv/bin/python experiments/plan_bench/run.py --only '{case.name}'"
+
+
+def write_markdown(results: list[dict], path: Path) -> None:
+    rows = [
+        "| case | trace s | strategies s | build s | solve s | total s | objective us | lower bound us | status | peak RSS GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['case']} | failed: {r['error']} |  |  |  |  |  |  |  |  |")
+            continue
+        t = r["timings"]
+        rows.append(
+            f"| {r['case']} | {t.get('trace', 0):.1f} | {t.get('strategies', 0):.1f} | {t.get('build', 0):.1f} "
+            f"| {t.get('solve', 0):.1f} | {t.get('total', 0):.1f} | {r['objective_us']:.0f} "
+            f"| {r['lower_bound_us']:.0f} | {r['status']} | {r['peak_rss_gib']:.2f} |"
+        )
+    header = [
+        "# Planning benchmark",
+        "",
+        f"Measured on {platform.node()} ({platform.processor() or platform.machine()}, "
+        f"{_cores()} cores), H100 cost profile, HiGHS ILP, fake process group, one process per case.",
+        "Reproduce one row with the command listed under it in `results.json` (`command`), or all with",
+        "`.venv/bin/python experiments/plan_bench/run.py`.",
+        "",
+    ]
+    path.write_text("\n".join(header + rows) + "\n")
+
+
+def _cores() -> int:
+    import os
+
+    return os.cpu_count() or 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", default="", help="run the cases whose name contains this text")
+    args = parser.parse_args()
+    cases = [c for c in CASES if args.only in c.name]
+    if not cases:
+        print(f"error: no case matches {args.only!r}; cases: {[c.name for c in CASES]}", file=sys.stderr)
+        return 2
+    out = HERE / "results.json"
+    previous = {r["case"]: r for r in json.loads(out.read_text())} if out.exists() else {}
+    for case in cases:
+        print(f"planning {case.name} ...", flush=True)
+        result = run_case(case)
+        result["command"] = command_for(case)
+        previous[case.name] = result
+        print(json.dumps({k: result.get(k) for k in ("case", "wall_s", "status", "error")}), flush=True)
+    ordered = [previous[c.name] for c in CASES if c.name in previous]
+    out.write_text(json.dumps(ordered, indent=1))
+    write_markdown(ordered, HERE / "README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

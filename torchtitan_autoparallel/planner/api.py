@@ -1,0 +1,98 @@
+"""``plan_training_step``: model + mesh + knobs -> ``Plan``, stage by stage.
+
+trace -> strategies -> build -> solve -> plan; each stage is timed and logged
+on the ``torchtitan_autoparallel.planner`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan_autoparallel.planner.build import build_problem
+from torchtitan_autoparallel.planner.plan import Plan, plan_from_solution
+from torchtitan_autoparallel.planner.profiles import HardwareProfile
+from torchtitan_autoparallel.planner.repeats import repeated_layer_ties
+from torchtitan_autoparallel.planner.solvers import get_solver
+from torchtitan_autoparallel.planner.strategy import enumerate_strategies
+from torchtitan_autoparallel.planner.trace import BatchSpec, LossFn, trace_training_step
+from torchtitan_autoparallel.train.loss import cross_entropy_loss
+
+log = logging.getLogger("torchtitan_autoparallel.planner")
+
+
+def plan_training_step(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    global_batch_size: int,
+    seq_len: int,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    profile: HardwareProfile,
+    solver: str = "ilp",
+    ilp_backend: str = "highs",
+    time_limit_s: float | None = 300,
+    memory_budget_gib: float | None = None,
+    export_problem: str | None = None,
+    loss_fn: LossFn = cross_entropy_loss,
+    batch: BatchSpec | None = None,
+) -> Plan:
+    """Choose a placement for every tensor of one training step on ``mesh``.
+
+    ``model`` may live on the meta device; nothing is allocated. Raises
+    ``InfeasibleProblem`` (naming the smallest feasible budget) when
+    ``memory_budget_gib`` cannot hold the parameters. ``loss_fn`` and
+    ``batch`` replace the token batch and cross-entropy for non-LLM models.
+    """
+    timings: dict[str, float] = {}
+    start = clock = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[stage] = now - clock
+        clock = now
+        log.info("planner stage %-10s done in %.2f s", stage, timings[stage])
+
+    names = tuple(mesh.mesh_dim_names or ())
+    log.info("planning on mesh %s %s, batch %d x %d", names, tuple(mesh.mesh.shape), global_batch_size, seq_len)
+    traced = trace_training_step(
+        model,
+        global_batch_size,
+        seq_len,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        loss_fn=loss_fn,
+        batch=batch,
+    )
+    lap("trace")
+    table = enumerate_strategies(traced, mesh)
+    if table.replicated_ops:
+        log.warning("ops replicated for lack of a sharding rule: %s", ", ".join(table.replicated_ops))
+    lap("strategies")
+    ties = repeated_layer_ties(traced, table)
+    built = build_problem(traced, table, profile, memory_budget_gib, ties)
+    if export_problem:
+        built.problem.save(export_problem)
+        log.info("problem written to %s", export_problem)
+    lap("build")
+    solution = get_solver(solver, ilp_backend).solve(built.problem, time_limit_s)
+    log.info(
+        "solve: %s %s, objective %.1f us, bound %.1f us, gap %.2e",
+        solution.solver,
+        solution.status,
+        solution.objective,
+        solution.lower_bound,
+        solution.gap,
+    )
+    lap("solve")
+    plan = plan_from_solution(solution, built, traced, timings)
+    lap("plan")
+    plan.timings["total"] = time.perf_counter() - start
+    log.info("planner total %.2f s", plan.timings["total"])
+    return plan

@@ -1,0 +1,132 @@
+"""Placements on a named mesh: enumeration, shardability, local shapes, labels.
+
+A placement tuple has one DTensor placement per mesh dim, mesh dim 0 first.
+The mesh knobs (which dims are data-parallel, which are tensor-parallel) are
+turned into allowed placements here, so strategy enumeration and problem
+building stay unaware of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from torchtitan_autoparallel.planner.cost_model import placements_str
+
+Placements = tuple[Placement, ...]
+
+DP_REPLICATE = "dp_replicate"
+DP_SHARD = "dp_shard"
+TP = "tp"
+MESH_DIM_NAMES = (DP_REPLICATE, DP_SHARD, TP)
+DATA_PARALLEL = (DP_REPLICATE, DP_SHARD)
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """The planner's view of a mesh: names and sizes, nothing distributed."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        unknown = [n for n in self.names if n not in MESH_DIM_NAMES]
+        if unknown or len(set(self.names)) != len(self.names):
+            raise ValueError(
+                f"mesh dim names {self.names}: each must be one of {MESH_DIM_NAMES}, once"
+            )
+        if len(self.names) != len(self.sizes):
+            raise ValueError(f"mesh names {self.names} and sizes {self.sizes} differ in length")
+
+    @classmethod
+    def from_device_mesh(cls, mesh: DeviceMesh) -> MeshSpec:
+        if mesh.mesh_dim_names is None:
+            raise ValueError(f"the mesh needs dim names among {MESH_DIM_NAMES}")
+        return cls(tuple(mesh.mesh_dim_names), tuple(int(s) for s in mesh.mesh.shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.names)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    def dims_named(self, names: Sequence[str]) -> list[int]:
+        return [i for i, n in enumerate(self.names) if n in names]
+
+
+def label(placements: Sequence[Placement]) -> str:
+    return placements_str(placements)
+
+
+def shard_factor(shape: Sequence[int], placements: Sequence[Placement], mesh: MeshSpec) -> int:
+    """How many pieces a tensor is cut into (the divisor of its per-device bytes)."""
+    del shape  # kept in the signature: uneven sharding would need it
+    return math.prod(n for p, n in zip(placements, mesh.sizes) if isinstance(p, Shard))
+
+
+def local_shape(shape: Sequence[int], placements: Sequence[Placement], sizes: Sequence[int]) -> tuple[int, ...]:
+    """Per-device shape (ceil division; Partial and Replicate keep the full size)."""
+    dims = list(shape)
+    for p, n in zip(placements, sizes):
+        if isinstance(p, Shard):
+            dims[p.dim] = -(-dims[p.dim] // n)
+    return tuple(dims)
+
+
+def is_evenly_shardable(shape: Sequence[int], placements: Sequence[Placement], sizes: Sequence[int]) -> bool:
+    """Every sharded tensor dim splits evenly over the mesh dims sharding it.
+
+    We only plan even shards: the executor and the cost model then agree on
+    every local shape, and no rank idles on padding.
+    """
+    per_dim: dict[int, int] = {}
+    for p, n in zip(placements, sizes):
+        if isinstance(p, Shard):
+            d = p.dim if p.dim >= 0 else p.dim + len(shape)
+            if not 0 <= d < len(shape):
+                return False
+            per_dim[d] = per_dim.get(d, 1) * n
+    return all(shape[d] % k == 0 and shape[d] >= k for d, k in per_dim.items())
+
+
+def tensor_placements(shape: Sequence[int], mesh: MeshSpec) -> list[Placements]:
+    """Every Replicate/Shard combination that splits ``shape`` evenly (no Partial)."""
+    per_mesh_dim = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    return [
+        combo
+        for combo in itertools.product(per_mesh_dim, repeat=mesh.ndim)
+        if is_evenly_shardable(shape, combo, mesh.sizes)
+    ]
+
+
+def parameter_placements(shape: Sequence[int], mesh: MeshSpec) -> list[Placements]:
+    """Placements a parameter may take: Replicate on dp_replicate (DDP), free elsewhere."""
+    pinned = mesh.dims_named([DP_REPLICATE])
+    return [c for c in tensor_placements(shape, mesh) if all(isinstance(c[i], Replicate) for i in pinned)]
+
+
+def batch_placement(shape: Sequence[int], mesh: MeshSpec) -> Placements:
+    """The input batch: Shard(0) on every data-parallel dim, Replicate on tp."""
+    combo = tuple(Shard(0) if n in DATA_PARALLEL else Replicate() for n in mesh.names)
+    if not is_evenly_shardable(shape, combo, mesh.sizes):
+        dp = math.prod(s for n, s in zip(mesh.names, mesh.sizes) if n in DATA_PARALLEL)
+        raise ValueError(
+            f"global batch {shape[0]} does not split over {dp} data-parallel ranks; "
+            f"use a multiple of {dp}"
+        )
+    return combo
+
+
+def replicated(mesh: MeshSpec) -> Placements:
+    return tuple(Replicate() for _ in range(mesh.ndim))
+
+
+def has_partial(placements: Sequence[Placement] | None) -> bool:
+    return placements is not None and any(isinstance(p, Partial) for p in placements)
