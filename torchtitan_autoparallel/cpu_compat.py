@@ -53,3 +53,31 @@ def sum_reduce_gradients_on_gloo(model) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+
+
+def keep_weight_tying_under_tp(model) -> None:
+    """Re-tie the embedding and output weights after torchtitan's TP step.
+
+    Not CPU-specific, but the same kind of fix: torchtitan 0.3.0's tensor
+    parallelism replaces each module's weight with its own DTensor, so Qwen3's
+    tied ``tok_embeddings.weight`` / ``lm_head.weight`` silently become two
+    parameters that train apart. Both are ``Shard(0)`` on the TP axis, so the
+    output layer's DTensor can serve both, as the unsharded model does; this
+    must happen before FSDP wraps the parameters, hence the hook on
+    ``model.parallelize`` (the TP step torchtitan calls first).
+    """
+    if not getattr(model, "enable_weight_tying", False):
+        return
+    tensor_parallelize = model.parallelize
+
+    def parallelize_and_retie(*args, **kwargs):
+        result = tensor_parallelize(*args, **kwargs)
+        head, embed = model.lm_head.weight, model.tok_embeddings.weight
+        if getattr(head, "placements", None) != getattr(embed, "placements", None):
+            raise RuntimeError(
+                f"cannot keep tied weights: lm_head {head.placements} vs tok_embeddings {embed.placements}"
+            )
+        model.tok_embeddings.weight = head
+        return result
+
+    model.parallelize = parallelize_and_retie

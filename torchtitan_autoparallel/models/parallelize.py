@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from torch import nn
 
 from torchtitan_autoparallel.config import JobConfig
-from torchtitan_autoparallel.cpu_compat import sum_reduce_gradients_on_gloo
+from torchtitan_autoparallel.cpu_compat import keep_weight_tying_under_tp, sum_reduce_gradients_on_gloo
 from torchtitan_autoparallel.distributed.runtime import Runtime
 
 
@@ -68,6 +68,7 @@ def apply_manual_parallelism(
     else:
         from torchtitan.models.qwen3 import parallelize_qwen3 as parallelize
     parallelism, training, compile_config = _torchtitan_configs(job, degrees)
+    keep_weight_tying_under_tp(model)
     model = parallelize(
         model,
         parallel_dims=parallel_dims,

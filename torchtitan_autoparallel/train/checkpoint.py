@@ -16,7 +16,11 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from torchtitan_autoparallel.errors import UserError
 
@@ -34,10 +38,23 @@ def latest_step(folder: Path) -> int | None:
     return max(complete) if complete else None
 
 
+# Optimizer state keyed by flat parameter FQNs, as torchtitan stores it.
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _state(model: nn.Module, optimizer) -> dict:
+    # The model's own state_dict, not torch's get_model_state_dict: torchtitan's
+    # fused QKV module renames wqkv to wq/wk/wv in a state-dict hook, which the
+    # generic helper cannot map back to module paths.
+    return {
+        "model": model.state_dict(),
+        "optimizer": get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS),
+    }
+
+
 def save(folder: Path, step: int, model: nn.Module, optimizer, train_state: dict) -> None:
     path = folder / f"step-{step}"
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+    dcp.save(_state(model, optimizer), checkpoint_id=str(path))
     # train_state.json is written last: its presence marks a complete checkpoint.
     if dist.get_rank() == 0:
         (path / "train_state.json").write_text(json.dumps({"step": step, **train_state}))
@@ -57,11 +74,9 @@ def load(folder: Path, step: int, model: nn.Module, optimizer, model_id: str) ->
             f"checkpoint {path} holds model {state.get('model_id')!r}, this run trains "
             f"{model_id!r}; accepted: a checkpoint of the same model and flavor"
         )
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    target = {"model": model_sd, "optimizer": optim_sd}
+    target = _state(model, optimizer)
     dcp.load(target, checkpoint_id=str(path))
-    set_state_dict(
-        model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"]
-    )
+    model.load_state_dict(target["model"])
+    set_optimizer_state_dict(model, optimizer, target["optimizer"], options=_OPTIM_OPTIONS)
     logger.info(f"resumed from checkpoint {path} (step {state['step']})")
     return state

@@ -93,10 +93,10 @@ def train(job: JobConfig, runtime: Runtime, family: str, model_config, degrees) 
     data = iter(t.dataloader)
     while state.step < job.training.steps:
         state.step += 1
-        loss, grad_norm = t.train_step(next(data))
+        loss, grad_norm, lr = t.train_step(next(data))
         t.metrics.add_tokens(t.global_tokens_per_step)
         if state.step % job.metrics.log_freq == 0 or state.step == job.training.steps:
-            t.metrics.log(state.step, t.global_loss(loss), float(grad_norm), t.scheduler.get_last_lr()[0])
+            t.metrics.log(state.step, t.global_loss(loss), float(grad_norm), lr)
         if job.checkpoint.enable and state.step % job.checkpoint.interval == 0:
             train_state = {"data": t.dataloader.state_dict(), "model_id": t.model_id}
             checkpoint.save(ckpt_folder, state.step, t.model, t.optimizer, train_state)

@@ -61,7 +61,8 @@ class Training:
     global_tokens_per_step: int
     n_params: int
 
-    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step; returns (local loss, grad norm, the lr this step used)."""
         from torchtitan.distributed.utils import clip_grad_norm_
 
         inputs, labels = (x.to(self.runtime.device) for x in batch)
@@ -76,9 +77,10 @@ class Training:
         loss.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm_(params, self.job.training.max_norm, foreach=True)
+        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
-        return loss.detach(), grad_norm
+        return loss.detach(), grad_norm, lr
 
     def global_loss(self, local_loss: torch.Tensor) -> float:
         total = local_loss.clone()
@@ -94,9 +96,20 @@ class Training:
         return "\n".join(lines)
 
 
+def set_determinism(job: JobConfig, device: torch.device) -> None:
+    torch.manual_seed(job.training.seed)
+    if job.training.deterministic:
+        if device.type == "cuda":  # cuBLAS needs a fixed workspace to be deterministic
+            import os
+
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
 def build_training(
     job: JobConfig, runtime: Runtime, family: str, model_config, degrees: tuple[int, int, int]
 ) -> Training:
+    set_determinism(job, runtime.device)
     dims = build_parallel_dims(job, degrees, runtime.world_size)
     prepare_model_config(model_config, job, degrees)
     with torch.device("meta"):
@@ -149,7 +162,11 @@ def _materialize(model: nn.Module, model_config, seed: int, device: torch.device
         full = model_config.build()
     with torch.no_grad():
         full.init_weights(buffer_device=None)
-    full_tensors = dict(full.named_parameters()) | dict(full.named_buffers())
+    # remove_duplicate=False: a tied weight (Qwen3's embedding and output) is
+    # found under both names, which tensor parallelism may have untied.
+    full_tensors = dict(full.named_parameters(remove_duplicate=False)) | dict(
+        full.named_buffers(remove_duplicate=False)
+    )
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         _copy_into(tensor, full_tensors[name])
 

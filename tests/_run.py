@@ -1,0 +1,132 @@
+"""Run ``run_train.sh`` as a subprocess and read back what a job wrote.
+
+Shared by the launcher tests, the training tests and
+``experiments/baseline_cpu/run.py``. Every run is remembered in ``RUNS`` so that
+``conftest.py`` can show the tail of its output when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCHER = REPO / "run_train.sh"
+PYTHON = REPO / ".venv" / "bin" / "python"
+LLAMA3_CONFIG = REPO / "train_configs" / "llama3_debugmodel.toml"
+QWEN3_CONFIG = REPO / "train_configs" / "qwen3_debugmodel.toml"
+CONFIGS = {"llama3": LLAMA3_CONFIG, "qwen3": QWEN3_CONFIG}
+
+
+@dataclass
+class Run:
+    cmd: str  # the command line as a user would type it, for messages
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def tail(self, lines: int = 40) -> str:
+        out = "\n".join(self.stdout.splitlines()[-lines:])
+        err_lines = self.stderr.splitlines()
+        # torchrun ends with its own ChildFailedError traceback, which hides the
+        # rank's: show the ranks' last lines first, then torchrun's summary.
+        rank_lines = [x for x in err_lines if x.startswith("[rank")]
+        if "ChildFailedError" in self.stderr and rank_lines:
+            err_lines = rank_lines[-lines:] + ["..."] + [x for x in err_lines if not x.startswith("[rank")][-12:]
+        err = "\n".join(err_lines[-lines - 13:])
+        return (
+            f"$ {self.cmd}\n(exit {self.returncode} after {self.seconds:.1f} s)\n"
+            f"--- stdout (last {lines} lines) ---\n{out}\n--- stderr (last {lines} lines) ---\n{err}"
+        )
+
+    def __iter__(self):  # rc, out, err = run_launcher(...)
+        return iter((self.returncode, self.stdout, self.stderr))
+
+
+RUNS: list[Run] = []
+
+
+def run_launcher(
+    args: list[str] | tuple[str, ...] = (),
+    *,
+    ngpu: int = 1,
+    config: str | Path | None = None,
+    comm_mode: str = "",
+    log_rank: str = "0",
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+) -> Run:
+    """``NGPU=ngpu CONFIG_FILE=config ./run_train.sh args``; never raises on failure."""
+    full_env = dict(os.environ)
+    full_env.update(NGPU=str(ngpu), LOG_RANK=log_rank, PYTHON=str(PYTHON))
+    full_env.pop("COMM_MODE", None)
+    if comm_mode:
+        full_env["COMM_MODE"] = comm_mode
+    if config is not None:
+        full_env["CONFIG_FILE"] = str(config)
+    full_env.update(env or {})
+    shown_env = f"NGPU={ngpu}" + (f" COMM_MODE={comm_mode}" if comm_mode else "")
+    shown_env += f" CONFIG_FILE={config}" if config is not None else ""
+    cmd = f"{shown_env} LOG_RANK={log_rank} ./run_train.sh " + " ".join(map(str, args))
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [str(LAUNCHER), *map(str, args)],
+            cwd=REPO,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            start_new_session=True,
+        )
+        run = Run(cmd, proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - start)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        run = Run(cmd, -9, out, err + f"\n[timed out after {timeout} s]", time.perf_counter() - start)
+    RUNS.append(run)
+    return run
+
+
+def read_metrics(dump_folder: str | Path) -> list[dict]:
+    path = Path(dump_folder) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train(
+    dump_folder: str | Path,
+    *overrides: str,
+    model: str = "llama3",
+    ngpu: int = 1,
+    steps: int = 3,
+    seq_len: int = 64,
+    local_batch_size: int = 4,
+    tensorboard: bool | None = False,
+    fixed_peak: bool = True,
+    timeout: float = 600,
+) -> list[dict]:
+    """Train with the shipped debug config; return the records of metrics.jsonl.
+
+    ``tensorboard=None`` keeps the config file's setting; ``fixed_peak`` sets
+    ``metrics.peak_tflops`` so the start-up matmul benchmark is skipped.
+    """
+    args = [
+        "--job.dump_folder", str(dump_folder),
+        "--training.steps", str(steps),
+        "--training.seq_len", str(seq_len),
+        "--training.local_batch_size", str(local_batch_size),
+    ]
+    if tensorboard is not None:
+        args += ["--metrics.enable_tensorboard", "true" if tensorboard else "false"]
+    if fixed_peak:
+        args += ["--metrics.peak_tflops", "1"]
+    args += list(overrides)
+    run = run_launcher(args, ngpu=ngpu, config=CONFIGS[model], timeout=timeout)
+    assert run.returncode == 0, f"training run failed\n{run.tail()}"
+    assert "Traceback" not in run.stdout + run.stderr, f"traceback in a successful run\n{run.tail()}"
+    return read_metrics(dump_folder)

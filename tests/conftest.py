@@ -1,0 +1,40 @@
+"""Shared test helpers: launcher runs, and their output shown on failure.
+
+``run_launcher`` (from ``tests/_run.py``) runs ``./run_train.sh`` with a
+timeout and returns ``(returncode, stdout, stderr)`` (a ``Run`` that also
+unpacks as that tuple). When a test fails, the tail of the output of every
+launcher run made during it (fixture set-up included) is added to the report.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _run  # noqa: E402
+
+_FIRST_RUN_KEY = pytest.StashKey[int]()
+
+
+@pytest.fixture
+def run_launcher():
+    """The launcher helper as a fixture: ``rc, out, err = run_launcher(args, ngpu=..)``."""
+    return _run.run_launcher
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_FIRST_RUN_KEY] = len(_run.RUNS)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    report = yield
+    if report.failed:
+        first = item.stash.get(_FIRST_RUN_KEY, len(_run.RUNS))
+        for i, run in enumerate(_run.RUNS[first:][-3:]):  # the last few runs of this test
+            report.sections.append((f"launcher run {i + 1}", run.tail(30)))
+    return report

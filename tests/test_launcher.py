@@ -1,0 +1,92 @@
+"""``./run_train.sh`` on bad input: one ``error:`` line, non-zero exit, no traceback.
+
+These runs stop in the preflight check, before torchrun starts any rank, so
+each costs only the interpreter's start-up and imports.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from _run import LLAMA3_CONFIG, QWEN3_CONFIG, run_launcher
+
+BAD_INPUTS = {
+    # id: (ngpu, config, args, text the error line must contain)
+    "unknown_model": (1, None, ["--model.name", "gpt5"], ["model.name", "'gpt5'", "llama3", "qwen3"]),
+    "unknown_flavor": (1, None, ["--model.flavor", "tiny"], ["model.flavor", "'tiny'", "debugmodel"]),
+    "unknown_flavor_qwen3": (1, QWEN3_CONFIG, ["--model.flavor", "tiny"], ["model.flavor", "'tiny'", "qwen3", "debugmodel"]),
+    "unknown_toml_key_cli": (1, None, ["--training.stepz", "3"], ["training.stepz", "known keys", "steps"]),
+    "degrees_not_matching_ngpu": (
+        2, None, ["--parallelism.data_parallel_shard_degree", "4"], ["shard 4", "NGPU=2"]
+    ),
+    "tp_not_dividing_ngpu": (4, None, ["--parallelism.tensor_parallel_degree", "3"], ["tensor_parallel_degree (3)", "NGPU=4"]),
+    "tp_not_dividing_heads": (3, None, ["--parallelism.tensor_parallel_degree", "3"], ["tensor_parallel_degree 3", "heads"]),
+    "context_parallel": (2, None, ["--parallelism.context_parallel_degree", "2"], ["context_parallel_degree = 2", "not supported"]),
+    "missing_dataset_path": (
+        1, None, ["--training.dataset", "text", "--training.dataset_path", "/nonexistent"], ["dataset_path", "'/nonexistent'"]
+    ),
+    "wrong_type": (1, None, ["--training.steps", "many"], ["training.steps", "'many'", "int"]),
+    "bad_enum": (1, None, ["--optimizer.name", "SGD"], ["optimizer.name", "'SGD'", "AdamW"]),
+    "missing_config_file": (1, "/nonexistent/job.toml", [], ["/nonexistent/job.toml", "not found"]),
+    "ngpu_not_a_number": ("two", None, [], ["NGPU='two'"]),
+}
+
+
+def assert_one_error_line(run, must_contain: list[str]) -> None:
+    assert run.returncode != 0, f"bad input was accepted\n{run.tail()}"
+    assert "Traceback" not in run.stdout + run.stderr, f"traceback on bad input\n{run.tail()}"
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected exactly one stderr line, got {len(lines)}\n{run.tail()}"
+    assert lines[0].startswith("error: "), run.tail()
+    for text in must_contain:
+        assert text in lines[0], f"{text!r} not named in: {lines[0]}"
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gives_one_error_line(case: str, tmp_path: Path) -> None:
+    ngpu, config, args, must_contain = BAD_INPUTS[case]
+    run = run_launcher(
+        ["--job.dump_folder", str(tmp_path / "out"), *args], ngpu=ngpu, config=config, timeout=180
+    )
+    assert_one_error_line(run, must_contain)
+    # Stopped before torchrun: no rank started, nothing written.
+    assert "[rank0]" not in run.stdout + run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "text,must_contain",
+    [
+        ("[training]\nsteps = = 3\n", ["TOML syntax error", "bad.toml"]),
+        # appended to the shipped file, whose last table is [activation_checkpoint]
+        ("bogus_key = 3\n", ["activation_checkpoint.bogus_key", "bad.toml", "known keys of [activation_checkpoint]"]),
+        ("[trainer]\nsteps = 3\n", ["[trainer]", "known sections"]),
+    ],
+    ids=["toml_syntax_error", "unknown_toml_key", "unknown_toml_section"],
+)
+def test_bad_config_file(tmp_path: Path, text: str, must_contain: list[str]) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(LLAMA3_CONFIG.read_text() + "\n" + text if "bogus" in text else text)
+    run = run_launcher(["--job.dump_folder", str(tmp_path / "out")], config=bad, timeout=180)
+    assert_one_error_line(run, must_contain)
+
+
+def test_fake_backend_64_ranks_tensor_parallel(tmp_path: Path) -> None:
+    run = run_launcher(
+        ["--job.dump_folder", str(tmp_path / "out"), "--parallelism.tensor_parallel_degree", "8"],
+        ngpu=64,
+        comm_mode="fake_backend",
+        timeout=300,
+    )
+    assert run.returncode == 0, run.tail()
+    out = run.stdout + run.stderr
+    assert "Traceback" not in out and "error:" not in out, run.tail()
+    assert "on 64 cpu rank(s) (fake); replicate 1 x shard 8 x tensor 8" in out, run.tail()
+    assert "configuration checked" in out, run.tail()
+    # The summary lists parameters sharded on both mesh axes (FSDP + TP).
+    assert "parameters; placements of the first tensors" in out, run.tail()
+    assert "Shard(dim=0)" in out, run.tail()
+    # No training happened: no metrics written.
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -1,0 +1,52 @@
+"""Run a solved plan on real process groups (gloo on CPU, NCCL on GPU).
+
+Public entry points:
+
+* ``build_executable(traced, built, solution, mesh, full_params, full_buffers)
+  -> PlannedStep``: parameters placed as planned, ``step(tokens, labels) ->
+  (loss, grads)`` running the joint graph with exactly the planned
+  redistributions;
+* ``plan_and_build(...)``: trace, enumerate and build on every rank, solve on
+  rank 0, check and broadcast, then ``build_executable``;
+* ``build_adamw`` / ``optimizer_step`` / ``clip_grad_norm``: the optimizer
+  over DTensor parameters with global-norm clipping;
+* ``audit(planned_step, plan, tokens, labels) -> (expected, executed)``;
+* ``PlannedStep.compile`` / ``compile_local``: re-trace into a local-tensor
+  graph (``compiled.py``) that later steps run instead of the interpreter.
+"""
+
+from torchtitan_autoparallel.execute.agree import (
+    PlanMismatch,
+    RemoteSolveError,
+    agree_on_solution,
+    check_same_problem,
+    fingerprint,
+    solve_on_rank0,
+)
+from torchtitan_autoparallel.execute.audit import audit, executed_collectives, expected_collectives
+from torchtitan_autoparallel.execute.interpreter import PlanExecutionError
+from torchtitan_autoparallel.execute.optim import build_adamw, clip_grad_norm, global_grad_norm, optimizer_step
+from torchtitan_autoparallel.execute.pipeline import PlannedTraining, plan_and_build
+from torchtitan_autoparallel.execute.step import PlannedStep, StepOutput, build_executable
+
+__all__ = [
+    "PlanExecutionError",
+    "PlanMismatch",
+    "PlannedStep",
+    "PlannedTraining",
+    "RemoteSolveError",
+    "StepOutput",
+    "agree_on_solution",
+    "audit",
+    "build_adamw",
+    "build_executable",
+    "check_same_problem",
+    "clip_grad_norm",
+    "executed_collectives",
+    "expected_collectives",
+    "fingerprint",
+    "global_grad_norm",
+    "optimizer_step",
+    "plan_and_build",
+    "solve_on_rank0",
+]

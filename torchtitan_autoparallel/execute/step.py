@@ -1,0 +1,266 @@
+"""``build_executable``: a solved plan + real process groups -> a runnable training step.
+
+The parameters are DTensors placed as planned, created from the full unsharded
+tensors with ``src_data_rank=None`` (every rank holds the same full init and
+keeps its own slice; no broadcast), so their values equal an unsharded init.
+``PlannedStep.step`` runs the joint forward+backward graph through
+``PlannedInterpreter`` and returns the loss and the gradients, each gradient
+already moved to its parameter's placement (the plan's gradient edges: this is
+where FSDP's reduce-scatter or DDP's all-reduce happen).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from torchtitan_autoparallel.execute.interpreter import ExecutionModes, PlannedInterpreter, PlanExecutionError
+from torchtitan_autoparallel.execute.kernels import check_logsumexp_users
+from torchtitan_autoparallel.execute.placements import chosen_strategies, placements_text
+from torchtitan_autoparallel.execute.redistribute import redistribute_to
+from torchtitan_autoparallel.planner.build import BuiltProblem
+from torchtitan_autoparallel.planner.placement import Placements
+from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.strategy import Strategy
+from torchtitan_autoparallel.planner.trace import TracedStep
+
+
+@dataclass
+class StepOutput:
+    """What one interpretation of the graph yields, before the loss is reduced for reporting."""
+
+    loss: DTensor  # placed as planned (e.g. Partial(avg) over the data-parallel axes)
+    grads: dict[str, DTensor]  # each in its parameter's planned placement
+
+
+@dataclass
+class PlannedStep:
+    traced: TracedStep
+    mesh: DeviceMesh
+    chosen: dict[fx.Node, Strategy]
+    params: dict[str, nn.Parameter]  # each wraps a DTensor placed as planned
+    buffers: dict[str, DTensor]
+    tokens_placements: Placements
+    labels_placements: Placements
+    modes: ExecutionModes = field(default_factory=ExecutionModes)
+    # CPU-only kernels through their portable stand-ins even on CPU (tests; see kernels.py).
+    portable_kernels: bool = False
+    # Set by ``compile``: the step as a graph over local tensors and functional collectives.
+    local_graph: fx.GraphModule | None = None
+
+    def __post_init__(self) -> None:
+        if self.mesh.device_type != "cpu" or self.portable_kernels:
+            check_logsumexp_users(self.traced.graph.graph)
+
+    # ------------------------------------------------------------ running
+
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, DTensor]]:
+        """One forward+backward on the GLOBAL batch (the same tensors on every rank).
+
+        Returns the loss as a plain tensor equal on every rank and the
+        gradients as DTensors placed like their parameters.
+        """
+        out = self.run_graph(*self.distribute_batch(tokens, labels))
+        return _report_loss(out.loss), out.grads
+
+    def step_local(
+        self, local_tokens: torch.Tensor, local_labels: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, DTensor]]:
+        """As ``step``, from this rank's slice of the batch (what a sharded dataloader yields)."""
+        tokens = self._from_local(local_tokens, self.traced.tokens, self.tokens_placements)
+        labels = self._from_local(local_labels, self.traced.labels, self.labels_placements)
+        out = self.run_graph(tokens, labels)
+        return _report_loss(out.loss), out.grads
+
+    def run_graph(self, tokens: DTensor, labels: DTensor) -> StepOutput:
+        """One forward+backward; every collective it runs is one the plan priced.
+
+        Runs the local graph of ``compile`` when there is one, else interprets
+        the joint graph over DTensors.
+        """
+        if self.local_graph is not None:
+            from torchtitan_autoparallel.execute.compiled import run_local_graph
+
+            return run_local_graph(self, tokens, labels)
+        return self.interpret(self.inputs(tokens, labels))
+
+    def inputs(self, tokens: DTensor, labels: DTensor) -> list[DTensor]:
+        """The joint graph's placeholders in order: parameters, buffers, tokens, labels."""
+        t = self.traced
+        return [*(self.params[f] for f in t.params), *(self.buffers[b] for b in t.buffers), tokens, labels]
+
+    def interpret(self, inputs: list[DTensor]) -> StepOutput:
+        """Interpret the joint graph over DTensors placed as planned (``inputs`` as ``self.inputs``)."""
+        t = self.traced
+        interpreter = PlannedInterpreter(t.graph, self.chosen, self.mesh, self.modes, self.portable_kernels)
+        with torch.no_grad():
+            flat = _flatten(interpreter.run(*inputs, enable_io_processing=False))
+            loss, raw = flat[0], flat[1:]
+            grads = {fqn: self._to_param_placement(fqn, g) for fqn, g in zip(t.params, raw)}
+        return StepOutput(loss, grads)
+
+    def compile(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+        """Re-trace the interpretation into a graph over local tensors; later steps run it.
+
+        Costs one extra step (the trace runs it, collectives included, on the
+        given GLOBAL batch; parameters are not changed). See ``compiled.py``.
+        """
+        from torchtitan_autoparallel.execute.compiled import trace_local_graph
+
+        self.local_graph = trace_local_graph(self, *self.distribute_batch(tokens, labels))
+
+    def compile_local(self, local_tokens: torch.Tensor, local_labels: torch.Tensor) -> None:
+        """As ``compile``, from this rank's slice of the batch (the trainer's dataloader)."""
+        from torchtitan_autoparallel.execute.compiled import trace_local_graph
+
+        tokens = self._from_local(local_tokens, self.traced.tokens, self.tokens_placements)
+        labels = self._from_local(local_labels, self.traced.labels, self.labels_placements)
+        self.local_graph = trace_local_graph(self, tokens, labels)
+
+    def distribute_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[DTensor, DTensor]:
+        """Global batch -> DTensors in the pinned input placements (each rank keeps its slice)."""
+        _check_shape("tokens", tokens, self.traced.tokens)
+        _check_shape("labels", labels, self.traced.labels)
+        return (
+            distribute_tensor(tokens, self.mesh, self.tokens_placements, src_data_rank=None),
+            distribute_tensor(labels, self.mesh, self.labels_placements, src_data_rank=None),
+        )
+
+    # ------------------------------------------------------------ module-like access
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return iter(self.params.values())
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self.params.items())
+
+    def bind_to(self, model: nn.Module) -> nn.Module:
+        """Make ``model`` (same architecture, e.g. on the meta device) hold the planned tensors.
+
+        Its parameters become these DTensor Parameters (the same objects the
+        step reads and the optimizer updates), its buffers these DTensors,
+        so the model serves ``build_optimizer``, checkpointing
+        (``get_state_dict`` and the model's own state-dict hooks) and
+        summaries. Run the training step with ``step``/``step_local``, never
+        ``model(tokens)``: that would run DTensor's own choices, not the plan.
+        """
+        for fqn, param in self.params.items():
+            parent, name = _parent(model, fqn)
+            if not isinstance(getattr(parent, name, None), nn.Parameter):
+                raise KeyError(f"{fqn}: not a parameter of {type(model).__name__}")
+            parent.register_parameter(name, param)
+        for fqn, buf in self.buffers.items():
+            parent, name = _parent(model, fqn)
+            persistent = name not in parent._non_persistent_buffers_set
+            parent.register_buffer(name, buf, persistent=persistent)
+        return model
+
+    def data_parallel_coords(self) -> tuple[int, int]:
+        """(rank, degree) of this rank's slice of the batch, for a sharded dataloader.
+
+        The batch is Shard(0) on the data-parallel mesh dims; DTensor orders
+        nested shards of one tensor dim row-major over those mesh dims.
+        """
+        rank, degree = 0, 1
+        for i, p in enumerate(self.tokens_placements):
+            if isinstance(p, Shard) and p.dim == 0:
+                size = self.mesh.size(i)
+                rank, degree = rank * size + self.mesh.get_local_rank(i), degree * size
+        return rank, degree
+
+    def local_ops(self) -> dict[str, int]:
+        """Ops that ran on local shards (DTensor would have chosen otherwise), by name."""
+        return self.modes.local_ops()
+
+    # ------------------------------------------------------------ helpers
+
+    def _to_param_placement(self, fqn: str, grad: DTensor) -> DTensor:
+        want = self.chosen[self.traced.params[fqn]].outputs[0]
+        return redistribute_to(grad, self.mesh, want)
+
+    def _from_local(self, local: torch.Tensor, node: fx.Node, placements: Placements) -> DTensor:
+        val = node.meta["val"]
+        local = local.to(self.mesh.device_type)
+        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=val.shape, stride=val.stride())
+
+
+def build_executable(
+    traced: TracedStep,
+    built: BuiltProblem,
+    solution: Solution,
+    mesh: DeviceMesh,
+    full_params: dict[str, torch.Tensor],
+    full_buffers: dict[str, torch.Tensor],
+    *,
+    portable_kernels: bool = False,
+) -> PlannedStep:
+    """Place the full parameters as planned and return the step that runs the plan."""
+    chosen = chosen_strategies(built, solution)
+    params = {
+        fqn: nn.Parameter(_place(fqn, full_params, node, chosen, mesh))
+        for fqn, node in traced.params.items()
+    }
+    buffers = {fqn: _place(fqn, full_buffers, node, chosen, mesh) for fqn, node in traced.buffers.items()}
+    return PlannedStep(
+        traced=traced,
+        mesh=mesh,
+        chosen=chosen,
+        params=params,
+        buffers=buffers,
+        tokens_placements=chosen[traced.tokens].outputs[0],
+        labels_placements=chosen[traced.labels].outputs[0],
+        portable_kernels=portable_kernels,
+    )
+
+
+def _place(
+    fqn: str, full: dict[str, torch.Tensor], node: fx.Node, chosen: dict[fx.Node, Strategy], mesh: DeviceMesh
+) -> DTensor:
+    if fqn not in full:
+        raise KeyError(f"no full value given for {fqn!r} (the trace has it; got {len(full)} tensors)")
+    tensor = full[fqn].detach()
+    val = node.meta["val"]
+    if tuple(tensor.shape) != tuple(val.shape) or tensor.dtype != val.dtype:
+        raise ValueError(
+            f"{fqn}: given {tuple(tensor.shape)} {tensor.dtype}, traced {tuple(val.shape)} {val.dtype}"
+        )
+    placements = chosen[node].outputs[0]
+    if placements is None:
+        raise PlanExecutionError(f"{fqn}: the plan gives it no placement")
+    # src_data_rank=None: every rank already holds the same full value and keeps
+    # its slice, so no rank's data is broadcast and the values equal the full init.
+    return distribute_tensor(tensor, mesh, placements, src_data_rank=None)
+
+
+def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    prefix, _, name = fqn.rpartition(".")
+    return (model.get_submodule(prefix) if prefix else model), name
+
+
+def _report_loss(loss: DTensor) -> torch.Tensor:
+    """The loss every rank can log: a Partial or sharded loss is reduced here.
+
+    This reduction (one scalar all-reduce when the loss is Partial) is outside
+    the planned graph: the plan has no edge from the loss to a consumer.
+    """
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def _flatten(x) -> list:
+    if isinstance(x, (list, tuple)):
+        return [y for item in x for y in _flatten(item)]
+    return [x]
+
+
+def _check_shape(what: str, value: torch.Tensor, node: fx.Node) -> None:
+    want = tuple(node.meta["val"].shape)
+    if tuple(value.shape) != want:
+        raise ValueError(f"{what}: got shape {tuple(value.shape)}, the plan was made for {want}")
+
+
+__all__ = ["PlannedStep", "StepOutput", "build_executable", "placements_text"]
