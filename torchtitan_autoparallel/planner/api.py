@@ -8,24 +8,50 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan_autoparallel.planner.build import build_problem
+from torchtitan_autoparallel.planner.build import BuiltProblem, build_problem
 from torchtitan_autoparallel.planner.plan import Plan, plan_from_solution
 from torchtitan_autoparallel.planner.profiles import HardwareProfile
 from torchtitan_autoparallel.planner.repeats import repeated_layer_ties
 from torchtitan_autoparallel.planner.solvers import get_solver
+from torchtitan_autoparallel.planner.solvers.base import Solution
 from torchtitan_autoparallel.planner.strategy import enumerate_strategies
-from torchtitan_autoparallel.planner.trace import BatchSpec, LossFn, trace_training_step
+from torchtitan_autoparallel.planner.trace import BatchSpec, LossFn, TracedStep, trace_training_step
 from torchtitan_autoparallel.train.loss import cross_entropy_loss
 
 log = logging.getLogger("torchtitan_autoparallel.planner")
 
 
-def plan_training_step(
+@dataclass
+class PlannedStages:
+    """The plan and what produced it (the executor needs the graph and the solution too)."""
+
+    plan: Plan
+    traced: TracedStep
+    built: BuiltProblem
+    solution: Solution
+
+
+# Given the built problem and the plain solve, return the solution to use
+# (the executor's hook solves on rank 0 and shares the result).
+SolveHook = Callable[[BuiltProblem, Callable[[], Solution]], Solution]
+
+
+def plan_training_step(model: nn.Module, mesh: DeviceMesh, **kwargs) -> Plan:
+    """Choose a placement for every tensor of one training step on ``mesh``.
+
+    Keyword arguments as ``plan_stages``; returns only the ``Plan``.
+    """
+    return plan_stages(model, mesh, **kwargs).plan
+
+
+def plan_stages(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
@@ -41,8 +67,9 @@ def plan_training_step(
     export_problem: str | None = None,
     loss_fn: LossFn = cross_entropy_loss,
     batch: BatchSpec | None = None,
-) -> Plan:
-    """Choose a placement for every tensor of one training step on ``mesh``.
+    solve_hook: SolveHook | None = None,
+) -> PlannedStages:
+    """Trace, enumerate, build, solve and decode one training step on ``mesh``.
 
     ``model`` may live on the meta device; nothing is allocated. Raises
     ``InfeasibleProblem`` (naming the smallest feasible budget) when
@@ -81,7 +108,10 @@ def plan_training_step(
         built.problem.save(export_problem)
         log.info("problem written to %s", export_problem)
     lap("build")
-    solution = get_solver(solver, ilp_backend).solve(built.problem, time_limit_s)
+    def solve() -> Solution:
+        return get_solver(solver, ilp_backend).solve(built.problem, time_limit_s)
+
+    solution = solve_hook(built, solve) if solve_hook else solve()
     log.info(
         "solve: %s %s, objective %.1f us, bound %.1f us, gap %.2e",
         solution.solver,
@@ -95,4 +125,4 @@ def plan_training_step(
     lap("plan")
     plan.timings["total"] = time.perf_counter() - start
     log.info("planner total %.2f s", plan.timings["total"])
-    return plan
+    return PlannedStages(plan, traced, built, solution)

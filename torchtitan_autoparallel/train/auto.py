@@ -7,7 +7,9 @@ and drops size-1 axes; the planner reads each axis' role from its name.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -15,6 +17,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchtitan_autoparallel.config import JobConfig
 from torchtitan_autoparallel.distributed.runtime import Runtime
 from torchtitan_autoparallel.errors import ConfigError, UserError
+from torchtitan_autoparallel.train.optim import build_lr_scheduler, build_optimizer
+from torchtitan_autoparallel.train.setup import (
+    Training,
+    build_data,
+    build_metrics,
+    init_full_model,
+    set_determinism,
+)
 
 logger = logging.getLogger("torchtitan_autoparallel")
 
@@ -42,41 +52,126 @@ def resolve_profile(job: JobConfig, runtime: Runtime):
         raise ConfigError(f"autoparallel.cost_profile: {e}") from None
 
 
-def plan_job(job: JobConfig, runtime: Runtime, model_config, degrees: tuple[int, int, int]):
-    """Plan the job's training step and write ``<dump_folder>/plan.json``."""
-    from torchtitan_autoparallel.planner.api import plan_training_step
+def _plan_kwargs(job: JobConfig, runtime: Runtime, degrees: tuple[int, int, int]) -> dict:
+    t, a = job.training, job.autoparallel
+    return dict(
+        global_batch_size=t.local_batch_size * degrees[0] * degrees[1],
+        seq_len=t.seq_len,
+        param_dtype=_DTYPES[t.mixed_precision_param],
+        reduce_dtype=_DTYPES[t.mixed_precision_reduce],
+        profile=resolve_profile(job, runtime),
+        solver=a.solver,
+        ilp_backend=a.ilp_backend,
+        time_limit_s=a.time_limit_s,
+        memory_budget_gib=a.memory_budget_gib,
+    )
+
+
+def _guard_planning(job: JobConfig, plan: Callable):
+    """Run ``plan`` and turn the planner's expected failures into one-line user errors."""
     from torchtitan_autoparallel.planner.problem import InfeasibleProblem
     from torchtitan_autoparallel.planner.solvers.ilp import SolverTimeout
 
-    mesh = build_auto_mesh(runtime, degrees)
-    with torch.device("meta"):
-        model = model_config.build()
-    t, a = job.training, job.autoparallel
+    a = job.autoparallel
     try:
-        plan = plan_training_step(
-            model,
-            mesh,
-            global_batch_size=t.local_batch_size * degrees[0] * degrees[1],
-            seq_len=t.seq_len,
-            param_dtype=_DTYPES[t.mixed_precision_param],
-            reduce_dtype=_DTYPES[t.mixed_precision_reduce],
-            profile=resolve_profile(job, runtime),
-            solver=a.solver,
-            ilp_backend=a.ilp_backend,
-            time_limit_s=a.time_limit_s,
-            memory_budget_gib=a.memory_budget_gib,
-            export_problem=a.export_problem or None,
-        )
+        return plan()
     except InfeasibleProblem as e:
         raise UserError(f"autoparallel.memory_budget_gib = {a.memory_budget_gib}: {e}") from None
     except SolverTimeout as e:
         raise UserError(
             f"autoparallel.time_limit_s = {a.time_limit_s}: {e}; accepted: a larger time limit"
         ) from None
-    if runtime.rank == 0:
-        folder = Path(job.job.dump_folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        plan.to_json(folder / "plan.json")
-        logger.info("plan:\n%s", plan.table())
-        logger.info(f"plan written to {folder / 'plan.json'} (planning took {plan.timings['total']:.1f} s)")
+
+
+def _report_plan(job: JobConfig, runtime: Runtime, plan) -> None:
+    if runtime.rank != 0:
+        return
+    folder = Path(job.job.dump_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    plan.to_json(folder / "plan.json")
+    logger.info("plan:\n%s", plan.table())
+    logger.info(f"plan written to {folder / 'plan.json'} (planning took {plan.timings['total']:.1f} s)")
+
+
+def plan_job(job: JobConfig, runtime: Runtime, model_config, degrees: tuple[int, int, int]):
+    """Plan the job's training step and write ``<dump_folder>/plan.json`` (no training)."""
+    from torchtitan_autoparallel.planner.api import plan_training_step
+
+    mesh = build_auto_mesh(runtime, degrees)
+    with torch.device("meta"):
+        model = model_config.build()
+    export = job.autoparallel.export_problem or None
+    plan = _guard_planning(
+        job,
+        lambda: plan_training_step(
+            model, mesh, export_problem=export, **_plan_kwargs(job, runtime, degrees)
+        ),
+    )
+    _report_plan(job, runtime, plan)
     return plan
+
+
+@dataclass
+class AutoTraining(Training):
+    """A training run whose step is the planned program (``execute/``)."""
+
+    planned: object = None  # execute.step.PlannedStep
+
+    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        from torchtitan_autoparallel.execute.optim import optimizer_step
+
+        inputs, labels = (x.to(self.runtime.device) for x in batch)
+        loss, grads = self.planned.step_local(inputs, labels)
+        lr = self.scheduler.get_last_lr()[0]
+        grad_norm = optimizer_step(self.planned, self.optimizer, grads, self.job.training.max_norm)
+        self.scheduler.step()
+        return loss, grad_norm, lr
+
+    def global_loss(self, local_loss: torch.Tensor) -> float:
+        return float(local_loss)  # the planned step already reduces the loss
+
+
+def build_auto_training(
+    job: JobConfig, runtime: Runtime, family: str, model_config, degrees: tuple[int, int, int]
+) -> AutoTraining:
+    """Plan on every rank (solve on rank 0), place the weights, and build the loop's parts."""
+    from torchtitan_autoparallel.execute.pipeline import plan_and_build
+
+    set_determinism(job, runtime.device)
+    mesh = build_auto_mesh(runtime, degrees)
+    with torch.device("meta"):
+        model = model_config.build()
+    t = job.training
+    n_params, flops_per_token = model_config.get_nparams_and_flops(model, t.seq_len)
+    full = init_full_model(model_config, t.seed, runtime.device)
+    planned = _guard_planning(
+        job,
+        lambda: plan_and_build(
+            model,
+            mesh,
+            dict(full.named_parameters()),
+            dict(full.named_buffers()),
+            **_plan_kwargs(job, runtime, degrees),
+        ),
+    )
+    del full
+    _report_plan(job, runtime, planned.plan)
+    step = planned.step
+    step.bind_to(model)
+    dp_rank, dp_degree = step.data_parallel_coords()
+    optimizer = build_optimizer(model, job.optimizer)
+    return AutoTraining(
+        job=job,
+        runtime=runtime,
+        model=model,
+        model_id=f"{family}:{job.model.flavor}",
+        optimizer=optimizer,
+        scheduler=build_lr_scheduler(optimizer, t.steps, job.lr_scheduler),
+        dataloader=build_data(job, model_config, dp_rank, dp_degree),
+        metrics=build_metrics(job, runtime, flops_per_token),
+        dp_degree=dp_degree,
+        dp_group=None,
+        global_tokens_per_step=t.local_batch_size * t.seq_len * dp_degree,
+        n_params=n_params,
+        planned=step,
+    )

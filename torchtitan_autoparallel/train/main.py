@@ -19,7 +19,12 @@ from torchtitan_autoparallel.distributed.runtime import Runtime, init_runtime, s
 from torchtitan_autoparallel.errors import UserError
 from torchtitan_autoparallel.models.registry import build_model_config, get_entry
 from torchtitan_autoparallel.train import checkpoint
-from torchtitan_autoparallel.train.setup import TrainState, build_training, check_model_fits_mesh
+from torchtitan_autoparallel.train.setup import (
+    Training,
+    TrainState,
+    build_training,
+    check_model_fits_mesh,
+)
 
 logger = logging.getLogger("torchtitan_autoparallel")
 
@@ -59,30 +64,35 @@ def run(job: JobConfig) -> int:
         f"rank(s) ({runtime.backend}); replicate {degrees[0]} x shard {degrees[1]} x tensor {degrees[2]}"
     )
     if entry.auto_parallel:
-        return run_auto_parallel(job, runtime, model_config, degrees)
-    return train(job, runtime, entry.family, model_config, degrees)
+        return run_auto_parallel(job, runtime, entry.family, model_config, degrees)
+    return run_manual(job, runtime, entry.family, model_config, degrees)
 
 
-def run_auto_parallel(job: JobConfig, runtime: Runtime, model_config, degrees) -> int:
-    from torchtitan_autoparallel.train.auto import plan_job
+def run_auto_parallel(job: JobConfig, runtime: Runtime, family: str, model_config, degrees) -> int:
+    from torchtitan_autoparallel.train.auto import build_auto_training, plan_job
 
-    plan_job(job, runtime, model_config, degrees)
     if runtime.fake:
+        plan_job(job, runtime, model_config, degrees)
         logger.info("COMM_MODE=fake_backend: plan written; no training on a fake process group")
         return 0
-    raise UserError(
-        f"model.name {job.model.name!r}: running an automatic plan on real process groups is "
-        f"not available yet; accepted now: COMM_MODE=fake_backend to plan, or llama3 / qwen3 "
-        f"to train with torchtitan's hand-written plans"
-    )
+    if job.checkpoint.enable:
+        raise UserError(
+            f"checkpoint.enable = true with model.name {job.model.name!r}: checkpoints of "
+            f"automatic plans are not available yet; accepted: checkpoint.enable = false"
+        )
+    return train(job, build_auto_training(job, runtime, family, model_config, degrees))
 
 
-def train(job: JobConfig, runtime: Runtime, family: str, model_config, degrees) -> int:
+def run_manual(job: JobConfig, runtime: Runtime, family: str, model_config, degrees) -> int:
     t = build_training(job, runtime, family, model_config, degrees)
     if runtime.fake:
         logger.info(t.summary())
         logger.info("COMM_MODE=fake_backend: configuration checked; no training on a fake process group")
         return 0
+    return train(job, t)
+
+
+def train(job: JobConfig, t: Training) -> int:
     state = TrainState()
     ckpt_folder = Path(job.job.dump_folder) / job.checkpoint.folder
     if job.checkpoint.enable and (step := _step_to_load(job, ckpt_folder)) is not None:

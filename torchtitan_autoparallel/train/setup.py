@@ -135,8 +135,8 @@ def build_training(
     return Training(
         optimizer=optimizer,
         scheduler=build_lr_scheduler(optimizer, t.steps, job.lr_scheduler),
-        dataloader=_build_data(job, model_config, dp_rank, dp_degree),
-        metrics=_build_metrics(job, runtime, flops_per_token),
+        dataloader=build_data(job, model_config, dp_rank, dp_degree),
+        metrics=build_metrics(job, runtime, flops_per_token),
         **common,
     )
 
@@ -148,20 +148,27 @@ def _data_parallel_coords(dims) -> tuple[int, int, dist.ProcessGroup | None]:
     return mesh.size(), mesh.get_local_rank(), mesh.get_group()
 
 
-def _materialize(model: nn.Module, model_config, seed: int, device: torch.device) -> None:
-    """Allocate the sharded weights and initialise them as a 1-rank run would."""
-    model.to_empty(device=device)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+def init_full_model(model_config, seed: int, device: torch.device) -> nn.Module:
+    """The unsharded model, initialised exactly as a 1-rank run initialises it."""
     torch.manual_seed(seed)
-    if param_bytes > FULL_INIT_MAX_BYTES:
-        # Too big to materialise whole on every rank: torchtitan's sharded init.
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
-        return
     with torch.device(device):
         full = model_config.build()
     with torch.no_grad():
         full.init_weights(buffer_device=None)
+    return full
+
+
+def _materialize(model: nn.Module, model_config, seed: int, device: torch.device) -> None:
+    """Allocate the sharded weights and initialise them as a 1-rank run would."""
+    model.to_empty(device=device)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if param_bytes > FULL_INIT_MAX_BYTES:
+        # Too big to materialise whole on every rank: torchtitan's sharded init.
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        return
+    full = init_full_model(model_config, seed, device)
     # remove_duplicate=False: a tied weight (Qwen3's embedding and output) is
     # found under both names, which tensor parallelism may have untied.
     full_tensors = dict(full.named_parameters(remove_duplicate=False)) | dict(
@@ -182,7 +189,7 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
             dst.copy_(src)
 
 
-def _build_data(job: JobConfig, model_config, dp_rank: int, dp_degree: int):
+def build_data(job: JobConfig, model_config, dp_rank: int, dp_degree: int):
     from torchtitan_autoparallel.data.dataset import build_dataloader
     from torchtitan_autoparallel.data.tokenizer import load_tokenizer
 
@@ -206,7 +213,7 @@ def _build_data(job: JobConfig, model_config, dp_rank: int, dp_degree: int):
     )
 
 
-def _build_metrics(job: JobConfig, runtime: Runtime, flops_per_token: float) -> MetricsLogger:
+def build_metrics(job: JobConfig, runtime: Runtime, flops_per_token: float) -> MetricsLogger:
     peak = resolve_peak(job.metrics.peak_tflops, runtime.device, job.training.mixed_precision_param)
     logger.info(f"MFU peak: {peak.tflops:.4f} TFLOPs per device ({peak.source})")
     tb = None
