@@ -206,3 +206,19 @@ def test_start_and_end_are_logged(solver, caplog) -> None:
         solver.solve(random_problem(0))
     assert re.search(r"\d+ variables \(\d+ binary\), \d+ constraints", caplog.text)
     assert re.search(r"optimal, objective [0-9.e+]+ us", caplog.text)
+
+
+def test_fractional_lp_relaxation_falls_back_to_the_mip(caplog) -> None:
+    # a frustrated triangle: equal neighbours cost 1, so every plan costs >= 1,
+    # while the LP relaxation reaches 0 with every x at 1/2
+    problem = Problem(
+        node_names=["a", "b", "c"],
+        strategy_labels=[["S0", "S1"]] * 3,
+        unary=[np.zeros(2)] * 3,
+        edges=np.array([(0, 1), (1, 2), (0, 2)]),
+        pairwise=[np.eye(2)] * 3,
+    )
+    with caplog.at_level("INFO", logger="torchtitan_autoparallel.planner"):
+        result = HighsILPSolver().solve(problem)
+    assert "LP relaxation is integral" not in caplog.text
+    assert result.status == "optimal" and result.objective == 1.0

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
 from torchtitan_autoparallel.planner.solvers.brute_force import BruteForceSolver
 from torchtitan_autoparallel.planner.solvers.ilp import CbcILPSolver, HighsILPSolver, SolverTimeout
+from torchtitan_autoparallel.planner.solvers.presolve import Presolved, PresolvingSolver, presolve
 
 BACKENDS = ("highs", "cbc")
 
@@ -26,24 +27,37 @@ SOLVERS: dict[str, Callable[[str], Solver]] = {
 }
 
 
-def get_solver(name: str, backend: str = "highs") -> Solver:
-    """The solver registered under ``name``; ``backend`` picks the MIP engine."""
+def get_solver(name: str, backend: str = "highs", presolve: bool = True) -> Solver:
+    """The solver registered under ``name``; ``backend`` picks the MIP engine.
+
+    With ``presolve`` (the default) it solves the exactly reduced problem of
+    ``solvers.presolve`` (ties collapsed, chains and leaves eliminated) and
+    reports the expanded plan scored on the original problem.
+    """
     try:
         factory = SOLVERS[name]
     except KeyError:
         raise ValueError(
             f"unknown solver {name!r}; accepted: {', '.join(sorted(SOLVERS))}"
         ) from None
-    return factory(backend)
+    solver = factory(backend)
+    if not presolve:
+        return solver
+    if isinstance(solver, HighsILPSolver):
+        solver.highs_presolve = False  # ours already did its work, far more cheaply
+    return PresolvingSolver(solver)
 
 
 __all__ = [
     "BruteForceSolver",
     "CbcILPSolver",
     "HighsILPSolver",
+    "Presolved",
+    "PresolvingSolver",
     "SOLVERS",
     "Solution",
     "Solver",
     "SolverTimeout",
     "get_solver",
+    "presolve",
 ]

@@ -32,6 +32,7 @@ LOG = logging.getLogger("torchtitan_autoparallel.planner")
 PROGRESS_EVERY_S = 5.0
 MIP_REL_GAP = 1e-9  # small enough that "optimal" really means optimal
 OBJECTIVE_RTOL = 1e-6
+INTEGRALITY_TOL = 1e-6  # HiGHS' own default mip_feasibility_tolerance
 
 
 class SolverTimeout(TimeoutError):
@@ -174,11 +175,60 @@ class _MipStats:
 
 
 class HighsILPSolver(_IlpSolver):
-    def __init__(self, name: str = "ilp-highs", threads: int | None = None) -> None:
+    def __init__(
+        self, name: str = "ilp-highs", threads: int | None = None, highs_presolve: bool = True
+    ) -> None:
         self.name = name
         self.threads = threads
+        # off when the model comes out of solvers.presolve: HiGHS' presolve then
+        # finds little and can cost more than the solve itself
+        self.highs_presolve = highs_presolve
 
     def _run(self, model: IlpModel, time_limit: float | None) -> _Run:
+        start = time.perf_counter()
+        # at most half the time, so that a fractional or unfinished LP leaves the
+        # MIP (and its warm start) room to return an incumbent
+        relaxed = self._run_lp(model, None if time_limit is None else 0.5 * time_limit)
+        if relaxed is not None:
+            return relaxed
+        return self._run_mip(model, _remaining(start, time_limit))
+
+    def _run_lp(self, model: IlpModel, time_limit: float | None) -> _Run | None:
+        """The LP relaxation alone: when its optimum is integral it is the ILP's
+        optimum (its bound is met), found without the MIP machinery, whose own
+        presolve can cost several times the LP on big tight models."""
+        import highspy
+
+        h = self._highs(model, time_limit, integer=False)
+        with _Heartbeat(self.name, lambda: " (LP relaxation)"):
+            h.run()
+        ms = h.getModelStatus()
+        if ms == highspy.HighsModelStatus.kInfeasible:
+            return _Run("infeasible")  # no fractional plan, so no integral one
+        if ms != highspy.HighsModelStatus.kOptimal:
+            return None
+        values = np.asarray(h.getSolution().col_value, dtype=np.float64)
+        x = values[: model.num_x]
+        if np.minimum(np.abs(x), np.abs(1.0 - x)).max(initial=0.0) > INTEGRALITY_TOL:
+            return None
+        objective = h.getInfo().objective_function_value
+        LOG.info("%s: the LP relaxation is integral, so optimal", self.name)
+        return _Run("optimal", values, objective, objective)
+
+    def _run_mip(self, model: IlpModel, time_limit: float | None) -> _Run:
+        import highspy
+
+        h = self._highs(model, time_limit, integer=True)
+        if model.start is not None:
+            values = model.col_values(model.start)
+            h.setSolution(len(values), np.arange(len(values), dtype=np.int32), values)
+        stats = _MipStats(model.offset)
+        h.cbMipInterrupt.subscribe(stats)
+        with _Heartbeat(self.name, stats.summary):
+            h.run()
+        return self._result(h, highspy)
+
+    def _highs(self, model: IlpModel, time_limit: float | None, integer: bool):  # noqa: ANN202
         import highspy
 
         if model.num_nz >= 2**31:
@@ -190,8 +240,11 @@ class HighsILPSolver(_IlpSolver):
             h.setOptionValue("time_limit", float(time_limit))
         if self.threads is not None:
             h.setOptionValue("threads", int(self.threads))
+        if not self.highs_presolve:
+            h.setOptionValue("presolve", "off")
         integrality = np.zeros(model.num_col, dtype=np.int32)
-        integrality[: model.num_x] = int(highspy.HighsVarType.kInteger)
+        if integer:
+            integrality[: model.num_x] = int(highspy.HighsVarType.kInteger)
         status = h.passModel(
             model.num_col, model.num_row, model.num_nz,
             int(highspy.MatrixFormat.kRowwise), int(highspy.ObjSense.kMinimize), 0.0,
@@ -202,14 +255,7 @@ class HighsILPSolver(_IlpSolver):
         )
         if status == highspy.HighsStatus.kError:
             raise RuntimeError(f"{self.name}: HiGHS rejected the model")
-        if model.start is not None:
-            values = model.col_values(model.start)
-            h.setSolution(len(values), np.arange(len(values), dtype=np.int32), values)
-        stats = _MipStats(model.offset)
-        h.cbMipInterrupt.subscribe(stats)
-        with _Heartbeat(self.name, stats.summary):
-            h.run()
-        return self._result(h, highspy)
+        return h
 
     def _result(self, h, highspy) -> _Run:  # noqa: ANN001 (highspy objects)
         ms = h.getModelStatus()

@@ -1,0 +1,343 @@
+"""The exact presolve: tie collapsing and graph reductions keep the optimum."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.solvers import (
+    BruteForceSolver,
+    HighsILPSolver,
+    PresolvingSolver,
+    get_solver,
+    presolve,
+)
+from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
+
+
+def make_problem(
+    rng: np.random.Generator,
+    edges: list[tuple[int, int]],
+    k: np.ndarray,
+    *,
+    inf_fraction: float = 0.0,
+    memory: np.ndarray | None = None,
+    pins: dict[int, int] | None = None,
+    ties: list[list[int]] | None = None,
+    budget: float | None = None,
+) -> Problem:
+    tables = []
+    for u, v in edges:
+        table = rng.uniform(0.0, 50.0, size=(k[u], k[v]))
+        table[rng.random(table.shape) < inf_fraction] = np.inf
+        tables.append(table)
+    has_memory = np.zeros(len(k), bool) if memory is None else memory
+    return Problem(
+        node_names=[f"op{i}" for i in range(len(k))],
+        strategy_labels=[[f"S{j}" for j in range(kv)] for kv in k],
+        unary=[rng.uniform(0.0, 100.0, size=kv) for kv in k],
+        edges=np.array(edges, dtype=np.int64).reshape(-1, 2),
+        pairwise=tables,
+        memory=[rng.uniform(1e8, 4e9, size=kv) if h else None for h, kv in zip(has_memory, k)],
+        memory_budget=budget,
+        pins=pins or {},
+        ties=ties or [],
+    )
+
+
+def random_problem(seed: int, *, memory: bool = False, pins: int = 0) -> Problem:
+    """A few tied copies of a random block plus loose nodes, with random extra edges."""
+    rng = np.random.default_rng(seed)
+    copies, block, loose = int(rng.integers(1, 4)), int(rng.integers(2, 5)), int(rng.integers(2, 5))
+    n = copies * block + loose
+    k = rng.integers(2, 5, size=n)
+    k[: copies * block] = np.tile(k[:block], copies)
+    # sparse problems vanish in presolve; dense ones leave a core for the ILP
+    density = rng.choice([0.3, 0.9])
+    edges = [(u, v) for u in range(n) for v in range(n) if u != v and rng.random() < density / 2]
+    ties = [list(range(j, copies * block, block)) for j in range(block)] if copies > 1 else []
+    pin_nodes = rng.choice(n, size=pins, replace=False)
+    return make_problem(
+        rng,
+        edges or [(0, 1)],
+        k,
+        inf_fraction=rng.choice([0.0, 0.1]),
+        memory=rng.random(n) < 0.4 if memory else None,
+        pins={int(v): int(rng.integers(k[v])) for v in pin_nodes},
+        ties=ties,
+    )
+
+
+def outcome(solver, problem: Problem):
+    try:
+        return solver.solve(problem, time_limit=60)
+    except InfeasibleProblem as exc:
+        return exc
+
+
+def assert_presolve_agrees(problem: Problem) -> None:
+    oracle = outcome(BruteForceSolver(), problem)
+    plain = outcome(get_solver("ilp", presolve=False), problem)
+    # without dead-end elimination more of the problem is left for the ILP
+    no_dee = outcome(PresolvingSolver(HighsILPSolver(), dominance=False), problem)
+    for got in (outcome(get_solver("ilp"), problem), no_dee, plain):
+        if isinstance(oracle, InfeasibleProblem):
+            assert isinstance(got, InfeasibleProblem), got
+            continue
+        assert not isinstance(got, InfeasibleProblem), got
+        assert got.status == "optimal"
+        assert got.objective == pytest.approx(oracle.objective, rel=1e-9, abs=1e-9)
+        assert got.objective == problem.energy(got.assignment)
+        assert got.lower_bound == got.objective
+        assert problem.is_feasible(got.assignment)
+
+
+def binding_budget(problem: Problem) -> float:
+    """Half way between the least memory of any plan and that of the free optimum."""
+    free = get_solver("ilp", presolve=False).solve(problem)
+    problem.memory_budget = 0.0
+    with pytest.raises(InfeasibleProblem) as info:
+        HighsILPSolver().solve(problem)
+    minimum = float(re.search(r"\((\d+) bytes\)", str(info.value)).group(1))
+    return 0.5 * (minimum + problem.memory_used(free.assignment))
+
+
+# --- exactness on random problems ------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_collapsed_energy_equals_original(seed: int) -> None:
+    problem = random_problem(seed, memory=True)
+    collapsed, group_of = collapse_ties(problem)
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        x = np.array([rng.integers(k) for k in collapsed.num_strategies])
+        assert collapsed.energy(x) == pytest.approx(problem.energy(x[group_of]), rel=1e-12)
+        assert collapsed.memory_used(x) == pytest.approx(problem.memory_used(x[group_of]))
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_reduced_energy_plus_offset_equals_expanded(seed: int) -> None:
+    problem = random_problem(seed, memory=True, pins=1)
+    problem.memory_budget = 1e30  # slack: memory holders may be eliminated too
+    try:
+        pre = presolve(problem)
+    except InfeasibleProblem:
+        return
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        x = np.array([rng.integers(k) for k in pre.reduced.num_strategies], dtype=np.int64)
+        full = pre.expand(x)
+        reduced = pre.reduced.energy(x) + pre.offset
+        if np.isfinite(reduced):
+            assert problem.energy(full) == pytest.approx(reduced, rel=1e-9)
+            assert all(full[v] == s for v, s in problem.pins.items())
+            assert all(len({full[v] for v in g}) == 1 for g in problem.ties)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_presolved_optimum_matches_brute_force(seed: int) -> None:
+    assert_presolve_agrees(random_problem(100 + seed, pins=seed % 3))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_presolved_optimum_under_a_binding_budget(seed: int) -> None:
+    problem = random_problem(200 + seed, memory=True)
+    problem.memory_budget = None
+    if not any(m is not None for m in problem.memory):
+        problem.memory[0] = np.linspace(1e9, 2e9, len(problem.unary[0]))
+    try:
+        problem.memory_budget = binding_budget(problem)
+    except InfeasibleProblem:
+        return  # no finite plan at all
+    assert_presolve_agrees(problem)
+    pre = presolve(problem)
+    if pre.reduced.memory_budget is not None:  # the reduced memory is the original's
+        rng = np.random.default_rng(seed)
+        for _ in range(10):
+            x = np.array([rng.integers(k) for k in pre.reduced.num_strategies], dtype=np.int64)
+            expected = problem.memory_used(pre.expand(x))
+            assert pre.reduced.memory_used(x) == pytest.approx(expected, rel=1e-12)
+
+
+def test_too_small_budget_still_names_the_smallest_one() -> None:
+    problem = random_problem(7, memory=True)
+    problem.memory[0] = np.linspace(1e9, 2e9, len(problem.unary[0]))
+    problem.memory_budget = 1.0
+    with pytest.raises(InfeasibleProblem, match=r"smallest feasible budget") as info:
+        get_solver("ilp").solve(problem)
+    needed = float(re.search(r"\((\d+) bytes\)", str(info.value)).group(1))
+    problem.memory_budget = needed
+    assert problem.memory_used(get_solver("ilp").solve(problem).assignment) <= needed * (1 + 1e-6)
+
+
+def test_conflicting_pins_in_a_tie_group_are_infeasible() -> None:
+    rng = np.random.default_rng(0)
+    problem = make_problem(rng, [(0, 1), (1, 2)], np.array([3, 3, 3]), pins={0: 0, 2: 1},
+                           ties=[[0, 2]])
+    with pytest.raises(InfeasibleProblem, match="pinned"):
+        presolve(problem)
+    assert isinstance(outcome(BruteForceSolver(), problem), InfeasibleProblem)
+
+
+# --- each reduction on its own ---------------------------------------------
+
+
+def test_chain_is_eliminated_entirely() -> None:
+    rng = np.random.default_rng(1)
+    k = rng.integers(2, 6, size=9)
+    problem = make_problem(rng, [(i, i + 1) for i in range(8)], k, inf_fraction=0.1)
+    assert presolve(problem, dominance=False).reduced.num_nodes == 0
+    assert_presolve_agrees(problem)
+
+
+def test_chain_reduces_to_its_memory_holders() -> None:
+    # holders 2 and 4 under a budget that binds them jointly; the rest is eliminated
+    rng = np.random.default_rng(2)
+    problem = make_problem(rng, [(i, i + 1) for i in range(6)], np.full(7, 3),
+                           memory=np.isin(np.arange(7), [2, 4]), budget=4e9)
+    problem.memory[2] = problem.memory[4] = np.array([1e9, 2e9, 3e9])
+    pre = presolve(problem, dominance=False)
+    assert pre.reduced.node_names == ["op2", "op4"]  # their edge may fold (separable)
+    assert_presolve_agrees(problem)
+
+
+def test_stars_reduce_to_their_centres() -> None:
+    rng = np.random.default_rng(3)
+    k = np.array([4, 3, 2, 4, 3, 3, 2, 4])
+    edges = [(0, v) for v in range(1, 5)] + [(5, 6), (7, 5)]
+    problem = make_problem(rng, edges, k, memory=np.isin(np.arange(8), [0, 5]),
+                           inf_fraction=0.1, budget=4e9)
+    problem.memory[0] = np.array([1e9, 2e9, 3e9, 4e9])  # 4e9 never fits: pruned
+    problem.memory[5] = np.array([1e9, 2e9, 3e9])
+    pre = presolve(problem, dominance=False)
+    assert pre.reduced.node_names == ["op0", "op5"] and len(pre.reduced.edges) == 0
+    assert pre.reduced.strategy_labels[0] == ["S0", "S1", "S2"]
+    assert_presolve_agrees(problem)
+
+
+def test_link_merges_into_an_existing_edge() -> None:
+    # a 4-cycle plus a chord: eliminating 1 (between 0 and 2) sums into the chord 0-2
+    rng = np.random.default_rng(4)
+    problem = make_problem(rng, [(0, 1), (1, 2), (2, 3), (3, 0), (0, 2)], np.full(4, 3))
+    assert presolve(problem, dominance=False).reduced.num_nodes == 0
+    assert_presolve_agrees(problem)
+
+
+def test_link_that_would_grow_the_problem_is_kept() -> None:
+    # k_u * k_w = 64 > k_v * (k_u + k_w) = 32: the middle node of 0 - 1 - 2 stays
+    # (as do 3 and 4, the other two paths that keep 0 and 2 from being leaves)
+    rng = np.random.default_rng(5)
+    k = np.array([8, 2, 8, 2, 2])
+    edges = [(0, 1), (1, 2), (0, 3), (3, 2), (0, 4), (4, 2)]
+    problem = make_problem(rng, edges, k)
+    pre = presolve(problem, dominance=False)
+    assert pre.reduced.num_nodes == 5
+    assert_presolve_agrees(problem)
+
+
+def test_pinned_node_is_fixed_into_its_neighbours() -> None:
+    rng = np.random.default_rng(6)
+    problem = make_problem(rng, [(0, 1), (1, 2), (2, 0)], np.full(3, 4),
+                           memory=np.array([0, 1, 1], bool), pins={0: 2})
+    problem.memory_budget = 1e30
+    pre = presolve(problem, dominance=False)
+    assert "op0" not in pre.reduced.node_names
+    assert pre.expand(np.zeros(pre.reduced.num_nodes, np.int64))[0] == 2
+    assert_presolve_agrees(problem)
+
+
+def _clique(rng: np.random.Generator, k: int = 4) -> Problem:
+    """Four memory holders, all connected: nothing but dominance/separability applies."""
+    edges = [(u, v) for u in range(4) for v in range(u + 1, 4)]
+    problem = make_problem(rng, edges, np.full(4, k), memory=np.ones(4, bool))
+    problem.memory_budget = float(sum(m.max() for m in problem.memory)) * 0.95
+    return problem
+
+
+def test_dominated_strategy_is_dropped() -> None:
+    problem = _clique(np.random.default_rng(7))
+    problem.unary[0][1] = problem.unary[0][0] + 5.0
+    problem.memory[0][1] = problem.memory[0][0] + 1.0
+    for e, (u, v) in enumerate(problem.edges):
+        if u == 0:
+            problem.pairwise[e][1] = problem.pairwise[e][0] + 1.0
+    assert len(presolve(problem, dominance=False).reduced.strategy_labels[0]) == 4
+    assert_strategy_dropped(problem, 0, "S1")
+    assert_presolve_agrees(problem)
+
+
+def assert_strategy_dropped(problem: Problem, node: int, label: str) -> None:
+    reduced = presolve(problem).reduced
+    name = problem.node_names[node]
+    if name in reduced.node_names:  # the node itself may go too, once it has one strategy
+        assert label not in reduced.strategy_labels[reduced.node_names.index(name)]
+
+
+def test_dead_end_elimination_beyond_entrywise_dominance() -> None:
+    # S1 beats S0 in some table entries, yet its unary costs more than it can win back
+    problem = _clique(np.random.default_rng(10))
+    problem.memory[0][1] = problem.memory[0][0]
+    for e, (u, v) in enumerate(problem.edges):
+        if u == 0:
+            problem.pairwise[e][1] = problem.pairwise[e][0] + np.linspace(-10, 10, 4)
+    problem.unary[0][1] = problem.unary[0][0] + 31.0
+    assert_strategy_dropped(problem, 0, "S1")
+    assert_presolve_agrees(problem)
+
+
+def test_separable_table_moves_into_the_unaries() -> None:
+    problem = _clique(np.random.default_rng(8))
+    a, b = np.arange(4.0), np.array([3.0, 1.0, 4.0, 1.5])
+    problem.pairwise[0] = a[:, None] + b[None, :]
+    assert len(presolve(problem, dominance=False).reduced.edges) == 5
+    assert_presolve_agrees(problem)
+
+
+def test_tied_chained_blocks_reduce_to_one_block() -> None:
+    """k copies of a 4-node block, each feeding the next: one block plus its back edge."""
+    rng = np.random.default_rng(9)
+    block = [(0, 1), (0, 2), (1, 3), (2, 3), (0, 3)]
+    copies, size = 5, 4
+    edges = [(u + c * size, v + c * size) for c in range(copies) for u, v in block]
+    edges += [(3 + c * size, (c + 1) * size) for c in range(copies - 1)]
+    k = np.tile([3, 2, 3, 2], copies)
+    ties = [list(range(j, copies * size, size)) for j in range(size)]
+    problem = make_problem(rng, edges, k, ties=ties, memory=np.tile([1, 1, 1, 1], copies) > 0)
+    problem.memory_budget = 1e30
+    collapsed, _ = collapse_ties(problem)
+    assert collapsed.num_nodes == size
+    assert len(collapsed.edges) == len(block)  # the back edge 3 -> 0 is summed into 0 - 3
+    assert presolve(problem).reduced.num_nodes <= size
+    assert_presolve_agrees(problem)
+
+
+# --- wiring ------------------------------------------------------------------
+
+
+def test_get_solver_presolves_unless_told_not_to() -> None:
+    assert isinstance(get_solver("ilp"), PresolvingSolver)
+    assert get_solver("ilp").name == "ilp-highs"
+    assert get_solver("ilp", "cbc").name == "ilp-cbc"
+    assert isinstance(get_solver("ilp", presolve=False), HighsILPSolver)
+
+
+def test_cbc_and_brute_force_presolve_too() -> None:
+    problem = random_problem(42, pins=1)
+    oracle = outcome(BruteForceSolver(), problem)
+    for name, backend in (("ilp", "cbc"), ("brute-force", "highs")):
+        got = outcome(get_solver(name, backend), problem)
+        if isinstance(oracle, InfeasibleProblem):
+            assert isinstance(got, InfeasibleProblem)
+        else:
+            assert got.objective == pytest.approx(oracle.objective, rel=1e-9)
+
+
+def test_reduction_is_logged(caplog) -> None:
+    with caplog.at_level("INFO", logger="torchtitan_autoparallel.planner"):
+        get_solver("ilp").solve(random_problem(3))
+    assert re.search(r"presolve: \d+ nodes, \d+ edges, \d+ strategies, \d+ variables -> "
+                     r"\d+ nodes, .* in [0-9.]+ s", caplog.text)

@@ -1,0 +1,161 @@
+"""Exact presolve: shrink a ``Problem`` before a solver sees it, then rebuild the plan.
+
+Two stages, both exact (the reduced optimum plus ``offset`` is the original
+optimum, and every reduced plan expands to an original plan of exactly that
+energy):
+
+1. ``collapse.collapse_ties``: one node per tie group (repeated layers cost one);
+2. ``reduce.Graph``: drop unusable and dominated strategies, fold separable
+   tables, fix single-strategy nodes and eliminate memory-free chains and
+   leaves, to a fixed point.
+
+``PresolvingSolver`` wraps any solver with it; ``get_solver`` does so by default.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
+from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
+from torchtitan_autoparallel.planner.solvers.reduce import Graph
+
+LOG = logging.getLogger("torchtitan_autoparallel.planner")
+ENERGY_RTOL = 1e-6  # reduced energy + offset vs the expanded plan's energy
+
+
+@dataclass
+class Presolved:
+    original: Problem
+    reduced: Problem  # tie-free, pin-free; its memory includes the eliminated nodes'
+    offset: float  # energy of everything eliminated, added to any reduced energy
+    seconds: float
+    _group_of: np.ndarray  # original node -> node of the tie-collapsed problem
+    _graph: Graph
+    _survivors: np.ndarray  # reduced node -> node of the tie-collapsed problem
+
+    def expand(self, reduced_assignment: np.ndarray) -> np.ndarray:
+        """The original plan of a reduced plan; its energy is the reduced one + offset."""
+        x = np.asarray(reduced_assignment, dtype=np.int64)
+        values = {
+            int(v): int(self._graph.domain[v][s]) for v, s in zip(self._survivors, x.tolist())
+        }
+        return self._graph.expand(values)[self._group_of]
+
+    def summary(self) -> str:
+        before, after = problem_size(self.original), problem_size(self.reduced)
+        return (
+            f"presolve: {_size_text(before)} -> {_size_text(after)} in {self.seconds:.2f} s"
+        )
+
+
+def problem_size(problem: Problem) -> dict[str, int]:
+    """Nodes, edges, strategies and ILP-scale variables (strategies + finite table entries)."""
+    strategies = int(problem.num_strategies.sum())
+    entries = sum(int(np.isfinite(t).sum()) for t in problem.pairwise)
+    return {
+        "nodes": problem.num_nodes,
+        "edges": len(problem.edges),
+        "strategies": strategies,
+        "variables": strategies + entries,
+    }
+
+
+def _size_text(size: dict[str, int]) -> str:
+    return ", ".join(f"{v} {k}" for k, v in size.items())
+
+
+def presolve(
+    problem: Problem, *, dominance: bool = True, prune_memory: bool = True
+) -> Presolved:
+    """Reduce ``problem`` exactly. ``prune_memory=False`` keeps strategies that only
+    the memory budget rules out, so a solver can still name the smallest budget."""
+    start = time.perf_counter()
+    collapsed, group_of = collapse_ties(problem)
+    graph = Graph(collapsed, prune_memory=prune_memory)
+    graph.reduce(dominance=dominance)
+    graph.check_fixed_memory()
+    reduced, survivors = _reduced_problem(graph, collapsed)
+    seconds = time.perf_counter() - start
+    return Presolved(problem, reduced, graph.offset, seconds, group_of, graph, survivors)
+
+
+def _reduced_problem(graph: Graph, collapsed: Problem) -> tuple[Problem, np.ndarray]:
+    survivors = np.flatnonzero(graph.alive)
+    index = {int(v): i for i, v in enumerate(survivors)}
+    edges, tables = [], []
+    for v in survivors.tolist():
+        for u, table in graph.adj[v].items():
+            if u > v:
+                edges.append((index[v], index[u]))
+                tables.append(np.ascontiguousarray(table))
+    memory = [graph.memory[v] for v in survivors]
+    holders = [i for i, m in enumerate(memory) if m is not None]
+    if holders:  # the memory every plan uses rides on one holder, so the budget stays as is
+        memory[holders[0]] = memory[holders[0]] + graph.fixed_memory
+    reduced = Problem(
+        node_names=[collapsed.node_names[v] for v in survivors],
+        strategy_labels=[
+            [collapsed.strategy_labels[v][s] for s in graph.domain[v]] for v in survivors
+        ],
+        unary=[graph.unary[v] for v in survivors],
+        edges=np.array(edges, dtype=np.int64).reshape(-1, 2),
+        pairwise=tables,
+        memory=memory,
+        memory_budget=graph.budget if holders else None,
+    )
+    return reduced, survivors
+
+
+class PresolvingSolver:
+    """Presolve, solve the reduced problem with ``inner``, expand, re-score."""
+
+    def __init__(self, inner: Solver, dominance: bool = True) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.dominance = dominance
+
+    def solve(self, problem: Problem, time_limit: float | None = None) -> Solution:
+        start = time.perf_counter()
+        pre = self._presolve(problem)
+        LOG.info("%s: %s", self.name, pre.summary())
+        if pre.reduced.num_nodes:
+            sub = self.inner.solve(pre.reduced, _remaining(start, time_limit))
+        else:
+            sub = Solution(np.zeros(0, np.int64), 0.0, 0.0, self.name, "optimal", 0.0)
+        assignment = pre.expand(sub.assignment)
+        objective = problem.energy(assignment)
+        expected = sub.objective + pre.offset
+        if not math.isclose(objective, expected, rel_tol=ENERGY_RTOL, abs_tol=ENERGY_RTOL):
+            raise RuntimeError(
+                f"{self.name}: expanded plan costs {objective!r}, the reduced one {expected!r}"
+            )
+        if not problem.is_feasible(assignment):
+            raise RuntimeError(f"{self.name}: the expanded plan violates the problem's constraints")
+        lower = objective
+        if sub.status != "optimal":  # the reduced bound plus what was eliminated
+            lower = min(objective, sub.lower_bound + pre.offset)
+        seconds = time.perf_counter() - start
+        return Solution(assignment, objective, lower, self.name, sub.status, seconds)
+
+    def _presolve(self, problem: Problem) -> Presolved:
+        try:
+            return presolve(problem, dominance=self.dominance)
+        except InfeasibleProblem:
+            if problem.memory_budget is None:
+                raise
+            # the budget may be what emptied a node; without that pruning the
+            # solver's own diagnosis names the smallest feasible budget
+            return presolve(problem, dominance=self.dominance, prune_memory=False)
+
+
+def _remaining(start: float, time_limit: float | None) -> float | None:
+    if time_limit is None:
+        return None
+    return max(time_limit - (time.perf_counter() - start), min(1.0, time_limit))

@@ -1,0 +1,346 @@
+"""Exact graph reductions of a tie-free ``Problem``, iterated to a fixed point.
+
+Each reduction keeps the optimum (and the set of optimal energies) unchanged:
+
+* strategies that no feasible plan can use are dropped: infinite unary or
+  memory, a table row that is all ``inf``, memory that alone breaks the budget;
+* a strategy dominated by another (no better unary, no better row in any
+  incident table, no less memory) is dropped;
+* a table that is a sum ``a[s] + b[t]`` (a constant one in particular) moves
+  into the two unaries;
+* a node with one strategy left is fixed: its table rows join its neighbours'
+  unaries;
+* a memory-free node of degree 0, 1 or 2 is eliminated by min-marginalisation
+  (a min-plus product for degree 2, only when that does not grow the problem),
+  recording the argmin so the plan can be rebuilt.
+
+The graph is kept as adjacency dictionaries of oriented tables (the two
+orientations of a table are a view of each other), and a work list revisits
+only the nodes whose neighbourhood changed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.solvers.ilp_model import memory_message
+
+BUDGET_RTOL = 1e-6  # the slack Problem.is_feasible grants the budget
+SEPARABLE_RTOL = 1e-12  # a table this close to a + b is folded (rounding only)
+DOMINANCE_MAX_WORK = 50_000_000  # k * k * neighbour strategies above which it is skipped
+MINPLUS_CHUNK = 4_000_000  # elements of the (k_u, k_v, k_w) min-plus block at once
+
+
+@dataclass
+class Elimination:
+    """How to rebuild one eliminated node from the nodes that outlived it."""
+
+    node: int
+    parents: tuple[int, ...]
+    parent_domains: tuple[np.ndarray, ...]  # the parents' strategies when it was eliminated
+    choice: np.ndarray  # indexed by the parents' positions in those domains -> strategy
+
+
+class Graph:
+    """A tie-free problem being reduced in place."""
+
+    def __init__(self, problem: Problem, prune_memory: bool = True) -> None:
+        n = problem.num_nodes
+        self.problem = problem
+        self.prune_memory = prune_memory
+        self.domain = [np.arange(k) for k in problem.num_strategies]
+        self.unary = [np.asarray(u, dtype=np.float64).copy() for u in problem.unary]
+        self.budget = problem.memory_budget
+        use_memory = self.budget is not None
+        self.memory: list[np.ndarray | None] = [
+            np.asarray(m, dtype=np.float64).copy() if use_memory and m is not None else None
+            for m in problem.memory
+        ]
+        self.adj: list[dict[int, np.ndarray]] = [{} for _ in range(n)]
+        self.alive = np.ones(n, dtype=bool)
+        self.offset = 0.0  # energy of the eliminated parts
+        self.fixed_memory = 0.0  # memory every remaining plan uses, taken out of the nodes
+        self.eliminations: list[Elimination] = []
+        self.dominance = True
+        self._queue: deque[int] = deque()
+        self._queued = np.zeros(n, dtype=bool)
+        for e, (u, v) in enumerate(problem.edges.tolist()):
+            table = np.asarray(problem.pairwise[e], dtype=np.float64)
+            if u == v:
+                self.unary[u] += np.diag(table)
+            else:
+                self._add_table(u, v, table)
+        for v, s in problem.pins.items():
+            self._restrict(v, self.domain[v] == s)
+        for v in range(n):
+            self._normalise_memory(v)
+
+    # --- the fixed point ---------------------------------------------------
+
+    def reduce(self, dominance: bool = True) -> None:
+        self.dominance = dominance
+        for v in range(len(self.alive)):
+            self._push(v)
+        fixed_seen = None
+        while True:
+            while self._queue:
+                v = self._queue.popleft()
+                self._queued[v] = False
+                if self.alive[v]:
+                    self._visit(v)
+            if self.prune_memory and self.fixed_memory != fixed_seen:
+                # more fixed memory leaves less room for every remaining choice
+                fixed_seen = self.fixed_memory
+                for v in self._memory_holders():
+                    self._push(v)
+                continue
+            if not self._drop_slack_memory():
+                return
+
+    def _visit(self, v: int) -> None:
+        self._fold_separable(v)
+        self._drop(v, self._usable(v))
+        if self._try_eliminate(v):
+            return
+        # dead-end elimination is the costly check: only for nodes that stay
+        if self.dominance and len(self.domain[v]) > 1:
+            self._drop(v, ~self._dominated(v))
+            self._try_eliminate(v)
+
+    def _drop(self, v: int, keep: np.ndarray) -> None:
+        if not keep.any():
+            raise InfeasibleProblem(
+                "no plan satisfies the pins, ties and forbidden (inf) choices "
+                f"(presolve: nothing is left for {self.problem.node_names[v]})"
+            )
+        if not keep.all():
+            self._restrict(v, keep)
+            self._normalise_memory(v)
+            self._push_neighbours(v)
+
+    def _try_eliminate(self, v: int) -> bool:
+        if len(self.domain[v]) == 1:
+            self._eliminate_fixed(v)
+        elif self.memory[v] is None and len(self.adj[v]) <= 2:
+            degree = len(self.adj[v])
+            if degree == 0:
+                self._eliminate_isolated(v)
+            elif degree == 1:
+                self._eliminate_leaf(v)
+            else:
+                return self._eliminate_link(v)
+        else:
+            return False
+        return True
+
+    def _push(self, v: int) -> None:
+        if self.alive[v] and not self._queued[v]:
+            self._queued[v] = True
+            self._queue.append(v)
+
+    def _push_neighbours(self, v: int) -> None:
+        for u in self.adj[v]:
+            self._push(u)
+
+    # --- dropping strategies -----------------------------------------------
+
+    def _usable(self, v: int) -> np.ndarray:
+        keep = np.isfinite(self.unary[v])
+        for table in self.adj[v].values():
+            keep &= np.isfinite(table).any(axis=1)
+        m = self.memory[v]
+        if m is not None:
+            keep &= np.isfinite(m)
+            if self.prune_memory:
+                keep &= self.fixed_memory + m <= self.budget * (1 + BUDGET_RTOL)
+        return keep
+
+    def _dominated(self, v: int) -> np.ndarray:
+        """Goldstein's dead-end elimination: ``s`` goes when some ``t`` is at least as
+        good in every context of the neighbours, i.e.
+
+            U[s] - U[t] + sum_e min_j (T_e[s, j] - T_e[t, j]) >= 0
+
+        and it uses no less memory. It subsumes entry-wise dominance (every
+        difference >= 0) and is exact: swapping ``s`` for ``t`` in any plan never
+        raises its energy or memory."""
+        tables = list(self.adj[v].values())
+        k = len(self.domain[v])
+        if k * k * sum(t.shape[1] for t in tables) > DOMINANCE_MAX_WORK:
+            return np.zeros(k, dtype=bool)
+        unary = self.unary[v]
+        margin = unary[:, None] - unary[None, :]  # margin[s, t]
+        for table in tables:
+            margin += _worst_difference(table)
+        if self.memory[v] is not None:
+            m = self.memory[v]
+            margin[m[:, None] < m[None, :]] = -np.inf
+        # of two equivalent strategies keep the lower index, so one always survives
+        lower = np.tri(k, k, -1, dtype=bool)  # lower[s, t]: t < s
+        beaten = (margin > 0) | ((margin >= 0) & lower)
+        np.fill_diagonal(beaten, False)
+        return beaten.any(axis=1)
+
+    def _restrict(self, v: int, keep: np.ndarray) -> None:
+        self.domain[v] = self.domain[v][keep]
+        self.unary[v] = self.unary[v][keep]
+        if self.memory[v] is not None:
+            self.memory[v] = self.memory[v][keep]
+        for u, table in self.adj[v].items():
+            self._set_table(v, u, table[keep])
+
+    def _normalise_memory(self, v: int) -> None:
+        """Move each node's least memory into ``fixed_memory``; drop a constant vector."""
+        m = self.memory[v]
+        if m is None or not len(m) or not np.isfinite(m.min()):
+            return
+        least = float(m.min())
+        self.fixed_memory += least
+        self.memory[v] = m - least
+        if not self.memory[v].any():
+            self.memory[v] = None
+            self._push(v)
+
+    def _memory_holders(self) -> list[int]:
+        return [int(v) for v in np.flatnonzero(self.alive) if self.memory[v] is not None]
+
+    def _drop_slack_memory(self) -> bool:
+        """When even the hungriest plan fits the budget, the budget never binds."""
+        holders = self._memory_holders()
+        if not holders:
+            return False
+        worst = self.fixed_memory + sum(float(self.memory[v].max()) for v in holders)
+        if not worst <= self.budget * (1 + BUDGET_RTOL):
+            return False
+        for v in holders:
+            self.memory[v] = None
+            self._push(v)
+        return True
+
+    # --- tables ------------------------------------------------------------
+
+    def _set_table(self, u: int, v: int, table: np.ndarray) -> None:
+        self.adj[u][v] = table
+        self.adj[v][u] = table.T
+
+    def _add_table(self, u: int, v: int, table: np.ndarray) -> None:
+        if v in self.adj[u]:
+            table = self.adj[u][v] + table
+        self._set_table(u, v, table)
+
+    def _drop_edge(self, u: int, v: int) -> None:
+        del self.adj[u][v]
+        del self.adj[v][u]
+
+    def _fold_separable(self, v: int) -> None:
+        for u, t in list(self.adj[v].items()):
+            if not np.isfinite(t).all():
+                continue
+            a, b = t[:, 0], t[0, :] - t[0, 0]
+            scale = float(np.abs(t).max(initial=0.0))
+            if np.abs(t - a[:, None] - b[None, :]).max(initial=0.0) <= SEPARABLE_RTOL * scale:
+                self.unary[v] += a
+                self.unary[u] += b
+                self._drop_edge(v, u)
+                self._push(u)
+
+    # --- eliminations --------------------------------------------------------
+
+    def _remove(self, v: int, parents: tuple[int, ...], choice: np.ndarray) -> None:
+        domains = tuple(self.domain[p].copy() for p in parents)
+        self.eliminations.append(Elimination(v, parents, domains, choice))
+        for u in list(self.adj[v]):
+            self._drop_edge(v, u)
+            self._push(u)
+        self.alive[v] = False
+
+    def _eliminate_fixed(self, v: int) -> None:
+        for u, table in self.adj[v].items():
+            self.unary[u] += table[0, :]
+        self.offset += float(self.unary[v][0])
+        if self.memory[v] is not None:
+            self.fixed_memory += float(self.memory[v][0])
+        self._remove(v, (), self.domain[v][:1].reshape(()))
+
+    def _eliminate_isolated(self, v: int) -> None:
+        best = int(np.argmin(self.unary[v]))
+        self.offset += float(self.unary[v][best])
+        self._remove(v, (), self.domain[v][best].reshape(()))
+
+    def _eliminate_leaf(self, v: int) -> None:
+        (u,) = self.adj[v]
+        cost = self.adj[u][v] + self.unary[v][None, :]  # (k_u, k_v)
+        best = np.argmin(cost, axis=1)
+        self.unary[u] += cost[np.arange(len(best)), best]
+        self._remove(v, (u,), self.domain[v][best])
+
+    def _eliminate_link(self, v: int) -> bool:
+        u, w = self.adj[v]
+        ku, kv, kw = len(self.domain[u]), len(self.domain[v]), len(self.domain[w])
+        if w not in self.adj[u] and ku * kw > kv * (ku + kw):
+            return False  # the u-w table would outgrow the two it replaces
+        left = self.adj[u][v] + self.unary[v][None, :]  # (k_u, k_v)
+        cost, best = _min_plus(left, self.adj[v][w])
+        self._add_table(u, w, cost)
+        self._remove(v, (u, w), self.domain[v][best])
+        return True
+
+    # --- results -----------------------------------------------------------
+
+    def expand(self, values: dict[int, int]) -> np.ndarray:
+        """A full plan from the strategies of the surviving nodes (original indices)."""
+        x = np.full(len(self.alive), -1, dtype=np.int64)
+        for v, s in values.items():
+            x[v] = s
+        for rec in reversed(self.eliminations):
+            at = tuple(
+                int(np.searchsorted(d, x[p])) for p, d in zip(rec.parents, rec.parent_domains)
+            )
+            x[rec.node] = int(rec.choice[at])
+        return x
+
+    def check_fixed_memory(self) -> None:
+        """With no memory left to choose, the fixed part alone must fit."""
+        if self.budget is None or self._memory_holders():
+            return
+        if self.fixed_memory > self.budget * (1 + BUDGET_RTOL):
+            raise InfeasibleProblem(memory_message(self.budget, self.fixed_memory))
+
+
+def _min_plus(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``min_s left[i, s] + right[s, j]`` and its argmin, in row chunks of bounded size."""
+    ku, kv = left.shape
+    kw = right.shape[1]
+    cost = np.empty((ku, kw))
+    best = np.empty((ku, kw), dtype=np.int64)
+    rows = max(1, MINPLUS_CHUNK // max(1, kv * kw))
+    for i in range(0, ku, rows):
+        block = left[i : i + rows, :, None] + right[None, :, :]
+        best[i : i + rows] = np.argmin(block, axis=1)
+        cost[i : i + rows] = np.take_along_axis(block, best[i : i + rows, None, :], axis=1)[:, 0]
+    return cost, best
+
+
+def _worst_difference(table: np.ndarray) -> np.ndarray:
+    """``min_j (table[s, j] - table[t, j])`` for every pair ``(s, t)``.
+
+    A forbidden ``table[s, j]`` puts no constraint on swapping ``s`` away (such
+    plans cost ``inf`` already), so it counts as ``+inf``; a forbidden
+    ``table[t, j]`` against a finite ``table[s, j]`` blocks the swap (``-inf``).
+    """
+    k, width = table.shape
+    out = np.empty((k, k))
+    rows = max(1, MINPLUS_CHUNK // max(1, k * width))
+    finite = np.isfinite(table).all()
+    for i in range(0, k, rows):
+        a = table[i : i + rows, None, :]
+        with np.errstate(invalid="ignore"):
+            diff = a - table[None, :, :]
+        if not finite:
+            diff = np.where(np.isinf(a), np.inf, diff)
+        out[i : i + rows] = diff.min(axis=2)
+    return out
