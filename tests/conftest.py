@@ -38,3 +38,20 @@ def pytest_runtest_makereport(item: pytest.Item, call):
         for i, run in enumerate(_run.RUNS[first:][-3:]):  # the last few runs of this test
             report.sections.append((f"launcher run {i + 1}", run.tail(30)))
     return report
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    """A fake process group of 8 ranks, so planning tests build meshes in one process.
+
+    Reuses a group a test module already opened, and closes only its own.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    yield
+    if created:
+        dist.destroy_process_group()

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.api import plan_training_step
@@ -16,14 +14,7 @@ WORLD = 8
 PROFILE = load_profile("h100")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fake_world():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield
-    if created:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("fake_world")
 
 
 def _plan(family: str, flavor: str, dim: str, batch: int, seq: int, n_layers: int | None = None) -> Plan:

@@ -7,9 +7,7 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.api import plan_training_step
@@ -22,14 +20,7 @@ PROFILE = load_profile("h100")
 GIB = 1024**3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fake_world():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield
-    if created:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("fake_world")
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,9 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan_autoparallel.planner.build import build_problem
 from torchtitan_autoparallel.planner.cost_model import collective_time_us, mesh_dim_links
@@ -27,14 +25,7 @@ WORLD = 8
 PROFILE = load_profile("h100")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fake_world():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield
-    if created:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("fake_world")
 
 
 def dot_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.placement import MeshSpec, label, parameter_placements
@@ -18,14 +16,7 @@ aten = torch.ops.aten
 WORLD = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fake_world():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield
-    if created:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("fake_world")
 
 
 @pytest.fixture(scope="module")

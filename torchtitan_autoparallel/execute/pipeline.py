@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan_autoparallel.execute.agree import agree_on_solution
+from torchtitan_autoparallel.execute.cache import cached_solve_hook, plan_settings
 from torchtitan_autoparallel.execute.step import PlannedStep, build_executable
 from torchtitan_autoparallel.planner.api import plan_stages
 from torchtitan_autoparallel.planner.build import BuiltProblem
@@ -42,12 +44,20 @@ def plan_and_build(
     full_buffers: dict[str, torch.Tensor],
     *,
     portable_kernels: bool = False,
+    plan_cache_dir: str | Path | None = None,
+    cache_settings: dict[str, Any] | None = None,
     **plan_kwargs,
 ) -> PlannedTraining:
     """Plan ``model`` (meta device is fine) on every rank, agree on rank 0's
-    solution, and place ``full_params``. ``plan_kwargs`` as ``plan_stages``."""
+    solution, and place ``full_params``. ``plan_kwargs`` as ``plan_stages``.
+
+    With ``plan_cache_dir``, rank 0 reuses a stored solution for the same key
+    (``cache.py``); ``cache_settings`` adds to the key what the traced graph
+    cannot show (model config, knobs)."""
     start = time.perf_counter()
-    stages = plan_stages(model, mesh, solve_hook=agree_on_solution, **plan_kwargs)
+    # Without a folder this is plain agree_on_solution, as before.
+    hook = cached_solve_hook(plan_cache_dir, plan_settings(mesh, plan_kwargs, cache_settings))
+    stages = plan_stages(model, mesh, solve_hook=hook, **plan_kwargs)
     step = build_executable(
         stages.traced,
         stages.built,

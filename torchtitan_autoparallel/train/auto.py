@@ -67,6 +67,19 @@ def _plan_kwargs(job: JobConfig, runtime: Runtime, degrees: tuple[int, int, int]
     )
 
 
+def _cache_settings(job: JobConfig) -> dict:
+    """What a plan depends on beyond the traced graph and the planner arguments."""
+    a = job.autoparallel
+    return {
+        "model": {"name": job.model.name, "flavor": job.model.flavor},
+        "knobs": {
+            "overlap": a.overlap,
+            "strided_sharding": a.strided_sharding,
+            "activation_checkpoint": job.activation_checkpoint.mode,
+        },
+    }
+
+
 def _guard_planning(job: JobConfig, plan: Callable):
     """Run ``plan`` and turn the planner's expected failures into one-line user errors."""
     from torchtitan_autoparallel.planner.problem import InfeasibleProblem
@@ -151,6 +164,8 @@ def build_auto_training(
             mesh,
             dict(full.named_parameters()),
             dict(full.named_buffers()),
+            plan_cache_dir=Path(job.job.dump_folder) / "plan_cache" if job.autoparallel.plan_cache else None,
+            cache_settings=_cache_settings(job),
             **_plan_kwargs(job, runtime, degrees),
         ),
     )

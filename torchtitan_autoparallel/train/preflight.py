@@ -20,12 +20,25 @@ def check(job: JobConfig, ngpu: int) -> None:
     degrees = resolve_degrees(job, ngpu)
     entry = get_entry(job.model.name)
     check_model_fits_mesh(build_model_config(entry.family, job.model.flavor), degrees)
+    if entry.auto_parallel:
+        _check_cost_profile(job.autoparallel.cost_profile)
     t = job.training
     if t.dataset in ("text", "jsonl") and not Path(t.dataset_path).exists():
         raise ConfigError(
             f"training.dataset_path {t.dataset_path!r} does not exist; accepted: a {t.dataset} "
             f"file or a folder of them"
         )
+
+
+def _check_cost_profile(name: str) -> None:
+    from torchtitan_autoparallel.planner.profiles import load_profile
+
+    if name == "auto":
+        return
+    try:
+        load_profile(name)
+    except ValueError as e:
+        raise ConfigError(f"autoparallel.cost_profile: {e}") from None
 
 
 def main(argv: list[str]) -> int:

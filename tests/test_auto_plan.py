@@ -1,0 +1,86 @@
+"""The planner through the launcher: a fake-backend dry run, its plan.json, the
+exported problem and the one-line errors of bad planning input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from _run import run_launcher
+from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.solvers import get_solver
+
+REQUIRED_KEYS = {
+    "objective", "lower_bound", "solver", "timings", "mesh", "parameters",
+    "collectives", "predicted", "replicated_ops",
+}
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("dry")
+    problem = folder / "problem.npz"
+    run = run_launcher(
+        ["--model.name", "llama3_auto_parallel", "--job.dump_folder", folder,
+         "--parallelism.tensor_parallel_degree", "2", "--autoparallel.export_problem", problem],
+        ngpu=8, comm_mode="fake_backend",
+    )
+    assert run.returncode == 0, run.tail()
+    assert "sharding plan on mesh dp_shard=4 x tp=2" in run.stdout + run.stderr, run.tail()
+    return folder / "plan.json", problem
+
+
+def test_plan_json_has_the_documented_fields(dry_run) -> None:
+    plan = json.loads(dry_run[0].read_text())
+    assert REQUIRED_KEYS <= plan.keys()
+    assert plan["mesh"] == {"names": ["dp_shard", "tp"], "sizes": [4, 2]}
+    assert set(plan["timings"]) >= {"trace", "strategies", "build", "solve", "total"}
+    assert set(plan["predicted"]) >= {"compute_us", "comm_us", "param_bytes_per_device"}
+    assert plan["replicated_ops"] == []
+    assert plan["lower_bound"] <= plan["objective"] * (1 + 1e-9)
+    # Every parameter of the debug model, one placement per mesh dim.
+    assert len(plan["parameters"]) == 6 * 7 + 3
+    assert all(len(p) == 2 for p in plan["parameters"].values())
+    # The default budget shards every weight over the data-parallel axis.
+    assert all(p[0].startswith("S(") for p in plan["parameters"].values())
+
+
+def test_exported_problem_resolves_to_the_same_objective_with_cbc(dry_run) -> None:
+    plan = json.loads(dry_run[0].read_text())
+    problem = Problem.load(dry_run[1])
+    solution = get_solver("ilp", "cbc").solve(problem, time_limit=120)
+    assert solution.status == "optimal"
+    assert solution.objective == pytest.approx(plan["objective"], rel=1e-6)
+
+
+def test_budget_below_the_minimum_names_the_smallest_feasible(tmp_path: Path) -> None:
+    run = run_launcher(
+        ["--model.name", "llama3_auto_parallel", "--job.dump_folder", tmp_path,
+         "--autoparallel.memory_budget_gib", "0.0001"],
+        ngpu=8, comm_mode="fake_backend",
+    )
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, run.tail()
+    assert "memory_budget_gib = 0.0001" in errors[0] and "GiB" in errors[0], errors[0]
+    assert "Traceback" not in run.stdout + run.stderr, run.tail()
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        (["--autoparallel.cost_profile", "tpu9"], "tpu9"),
+        (["--autoparallel.solver", "magic"], "magic"),
+        (["--autoparallel.ilp_backend", "gurobi"], "gurobi"),
+    ],
+)
+def test_bad_planner_settings_are_one_line_errors(tmp_path: Path, override, needle) -> None:
+    run = run_launcher(
+        ["--model.name", "llama3_auto_parallel", "--job.dump_folder", tmp_path, *override],
+        ngpu=8, comm_mode="fake_backend",
+    )
+    assert run.returncode != 0
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], run.tail()
