@@ -82,6 +82,9 @@ print("RESULT " + json.dumps({
     "problem": getattr(plan, "problem_size", None), "replicated_ops": plan.replicated_ops,
     "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     "parameters_sample": dict(list(plan.parameters.items())[:8]),
+    "table": plan.table(),
+    "collectives_by_kind": {k: sum(c.count for c in plan.collectives if c.kind == k)
+                            for k in {c.kind for c in plan.collectives}},
 }))
 """
 
@@ -128,7 +131,23 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "`.venv/bin/python experiments/plan_bench/run.py`.",
         "",
     ]
-    path.write_text("\n".join(header + rows) + "\n")
+    chosen = ["", "## What the planner chose", ""]
+    for r in results:
+        if "table" in r:
+            p = r["predicted"]
+            chosen += [
+                f"### {r['case']}",
+                "",
+                f"predicted compute {p['compute_us']:.0f} us, communication {p['comm_us']:.0f} us, "
+                f"parameters {p['param_bytes_per_device'] / 2**20:.1f} MiB per device; collectives per "
+                f"step: {r['collectives_by_kind']}",
+                "",
+                "```",
+                r["table"],
+                "```",
+                "",
+            ]
+    path.write_text("\n".join(header + rows + chosen) + "\n")
 
 
 def _cores() -> int:
