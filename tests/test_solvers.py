@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pytest
+from _solver_checks import check_outcome
 
 from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers import (
@@ -68,15 +69,7 @@ def solve_all(problem: Problem):
 def assert_agree(problem: Problem) -> list:
     oracle, *others = solve_all(problem)
     for got in others:
-        if isinstance(oracle, InfeasibleProblem):
-            assert isinstance(got, InfeasibleProblem), got
-            continue
-        assert not isinstance(got, InfeasibleProblem), got
-        assert got.status == "optimal"
-        assert got.objective == pytest.approx(oracle.objective, rel=1e-9, abs=1e-9)
-        assert got.objective == problem.energy(got.assignment)
-        assert got.lower_bound == got.objective
-        assert problem.is_feasible(got.assignment)
+        check_outcome(oracle, got, problem)
     return [oracle, *others]
 
 

@@ -81,7 +81,7 @@ def nll_loss_forward_rule(op, args: tuple, kwargs: dict) -> list[Rule]:
 
     sp = DTensor._op_dispatcher.sharding_propagator
     rules = list(sp.op_single_dim_strategy_funcs[op].func(op, args, kwargs))
-    logits, target, weight, reduction = args[0], args[1], args[2], args[3]
+    logits, weight, reduction = args[0], args[2], args[3]
     if reduction != _MEAN or len(logits.shape) != 2:
         return rules
     rule: Rule = [Partial("avg"), Partial("sum"), Shard(0), Shard(0)]

@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -80,14 +81,15 @@ def _cache_settings(job: JobConfig) -> dict:
     }
 
 
-def _guard_planning(job: JobConfig, plan: Callable):
-    """Run ``plan`` and turn the planner's expected failures into one-line user errors."""
+@contextmanager
+def _planning_errors(job: JobConfig) -> Iterator[None]:
+    """Turn the planner's expected failures into one-line user errors."""
     from torchtitan_autoparallel.planner.problem import InfeasibleProblem
     from torchtitan_autoparallel.planner.solvers.ilp import SolverTimeout
 
     a = job.autoparallel
     try:
-        return plan()
+        yield
     except InfeasibleProblem as e:
         raise UserError(f"autoparallel.memory_budget_gib = {a.memory_budget_gib}: {e}") from None
     except SolverTimeout as e:
@@ -114,12 +116,8 @@ def plan_job(job: JobConfig, runtime: Runtime, model_config, degrees: tuple[int,
     with torch.device("meta"):
         model = model_config.build()
     export = job.autoparallel.export_problem or None
-    plan = _guard_planning(
-        job,
-        lambda: plan_training_step(
-            model, mesh, export_problem=export, **_plan_kwargs(job, runtime, degrees)
-        ),
-    )
+    with _planning_errors(job):
+        plan = plan_training_step(model, mesh, export_problem=export, **_plan_kwargs(job, runtime, degrees))
     _report_plan(job, runtime, plan)
     return plan
 
@@ -157,9 +155,8 @@ def build_auto_training(
     t = job.training
     n_params, flops_per_token = model_config.get_nparams_and_flops(model, t.seq_len)
     full = init_full_model(model_config, t.seed, runtime.device)
-    planned = _guard_planning(
-        job,
-        lambda: plan_and_build(
+    with _planning_errors(job):
+        planned = plan_and_build(
             model,
             mesh,
             dict(full.named_parameters()),
@@ -167,9 +164,8 @@ def build_auto_training(
             plan_cache_dir=Path(job.job.dump_folder) / "plan_cache" if job.autoparallel.plan_cache else None,
             cache_settings=_cache_settings(job),
             **_plan_kwargs(job, runtime, degrees),
-        ),
-    )
-    del full
+        )
+    del full  # the placed shards are all each rank keeps
     _report_plan(job, runtime, planned.plan)
     step = planned.step
     step.bind_to(model)

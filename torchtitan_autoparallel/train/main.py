@@ -11,9 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 from torchtitan_autoparallel.config import JobConfig, load_config, resolve_degrees
 from torchtitan_autoparallel.distributed.runtime import Runtime, init_runtime, shutdown
 from torchtitan_autoparallel.errors import UserError
