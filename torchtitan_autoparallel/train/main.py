@@ -16,6 +16,7 @@ from torchtitan_autoparallel.distributed.runtime import Runtime, init_runtime, s
 from torchtitan_autoparallel.errors import UserError
 from torchtitan_autoparallel.models.registry import build_model_config, get_entry
 from torchtitan_autoparallel.train import checkpoint
+from torchtitan_autoparallel.train.optim import build_lr_scheduler
 from torchtitan_autoparallel.train.setup import (
     Training,
     TrainState,
@@ -96,7 +97,7 @@ def train(job: JobConfig, t: Training) -> int:
         saved = checkpoint.load(ckpt_folder, step, t.model, t.optimizer, t.model_id)
         state.step = saved["step"]
         t.dataloader.load_state_dict(saved["data"])
-        t.scheduler.last_epoch = state.step
+        t.scheduler = build_lr_scheduler(t.optimizer, job.training.steps, job.lr_scheduler, state.step)
     data = iter(t.dataloader)
     while state.step < job.training.steps:
         state.step += 1

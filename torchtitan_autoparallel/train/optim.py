@@ -45,9 +45,11 @@ def lr_factor(step: int, total_steps: int, cfg: LRScheduler) -> float:
 
 
 def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, total_steps: int, cfg: LRScheduler
+    optimizer: torch.optim.Optimizer, total_steps: int, cfg: LRScheduler, done_steps: int = 0
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    # LambdaLR calls the lambda with 0 at construction; step k of training uses k + 1.
+    """The schedule positioned for training step ``done_steps + 1`` (resume passes the saved step)."""
+    # LambdaLR takes one step at construction, so last_epoch ends at done_steps;
+    # its lambda sees k = steps already taken, and step k + 1 is the one to run.
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda k: lr_factor(k + 1, total_steps, cfg)
+        optimizer, lambda k: lr_factor(k + 1, total_steps, cfg), last_epoch=done_steps - 1
     )
