@@ -234,3 +234,41 @@ def test_partial_target_dim_shards_first_to_shrink_other_collectives() -> None:
     # (R, P) -> (P, R): shard mesh dim 0 for free, all-reduce the half-size
     # tensor over mesh dim 1, then turn the shard into Partial(sum) for free.
     assert redistribute_steps((8, 16), 4, (R, P), (P, R), (2, 4)) == [CommStep("all_reduce", 1, 256.0, 4)]
+
+
+def _random_placements(rng: np.random.Generator, ndim: int, mesh: tuple[int, ...], count: int) -> list[tuple]:
+    pool = [R, P, Partial("max"), _StridedShard(0, split_factor=2), *[Shard(d) for d in range(ndim)]]
+    return [tuple(pool[k] for k in rng.integers(len(pool), size=len(mesh))) for _ in range(count)]
+
+
+@pytest.mark.parametrize("mesh", [(4,), (8,), (2, 4), (8, 8), (2, 2, 2), (8, 8, 8), (1, 4, 2)])
+def test_matrix_pricer_equals_reference_search(mesh: tuple[int, ...]) -> None:
+    # The matrix path (shared move prices, int states) must reproduce the
+    # per-pair search bit for bit, uneven shards and impossible pairs included.
+    prof = load_profile("h100")
+    rng = np.random.default_rng(len(mesh) * 100 + mesh[-1])
+    for shape in [(7,), (96, 40), (3, 5, 16), (8, 2048, 128), (2, 4, 6, 10)]:
+        srcs = _random_placements(rng, len(shape), mesh, 25)
+        dsts = [*_random_placements(rng, len(shape), mesh, 25), srcs[0]]
+        mat = redistribute_cost_matrix(shape, 2, srcs, dsts, mesh, prof)
+        want = np.array([[redistribute_time_us(shape, 2, s, d, mesh, prof) for d in dsts] for s in srcs])
+        np.testing.assert_array_equal(mat, want)
+        assert mat[0, -1] == 0.0
+
+
+def test_matrix_pricer_falls_back_when_codes_outgrow_a_digit(monkeypatch) -> None:
+    # With 8 codes per digit, a 4-d tensor's placements soon overflow the
+    # pricer's numbering; those pairs must go through the scalar search.
+    from torchtitan_autoparallel.planner import cost_model
+
+    monkeypatch.setattr(cost_model, "_RADIX", 8)
+    cost_model.clear_caches()
+    prof = load_profile("h100")
+    rng = np.random.default_rng(7)
+    mesh, shape = (2, 2, 2), (2, 4, 6, 10)
+    srcs, dsts = _random_placements(rng, 4, mesh, 20), _random_placements(rng, 4, mesh, 20)
+    mat = redistribute_cost_matrix(shape, 4, srcs, dsts, mesh, prof)
+    assert cost_model._time_cached.cache_info().currsize > 0  # the matrix did fall back
+    want = np.array([[redistribute_time_us(shape, 4, s, d, mesh, prof) for d in dsts] for s in srcs])
+    np.testing.assert_array_equal(mat, want)
+    cost_model.clear_caches()
