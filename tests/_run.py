@@ -130,3 +130,27 @@ def train(
     assert run.returncode == 0, f"training run failed\n{run.tail()}"
     assert "Traceback" not in run.stdout + run.stderr, f"traceback in a successful run\n{run.tail()}"
     return read_metrics(dump_folder)
+
+
+class RunCache:
+    """Training runs made once per test module and shared between its tests, keyed by name."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cache: dict[str, list[dict]] = {}
+
+    def get(self, key: str, *overrides: str, **kwargs) -> list[dict]:
+        if key not in self.cache:
+            self.cache[key] = train(self.root / key, *overrides, **kwargs)
+        return self.cache[key]
+
+
+def check_records(records: list[dict], steps: int) -> None:
+    """Every step logged once, in order, with finite metrics."""
+    import math
+
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        for key in ("loss", "grad_norm", "tps", "tflops", "mfu", "memory_gib"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r)
+        assert r["tps"] > 0 and r["memory_gib"] > 0

@@ -7,19 +7,16 @@
   an uninterrupted one;
 * the default job's metrics.jsonl and TensorBoard events agree, and the loss falls.
 
-Each launch costs ~30-45 s of start-up here, so runs are shared between tests
-through module-scoped caches: 12 launches in all.
+The automatic plans have their own module, ``test_auto_parity.py``. Each
+launch costs ~30-45 s of start-up here, so runs are shared between tests
+through a module-scoped cache.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from pathlib import Path
-
 import pytest
 
-from _run import CONFIGS, RUNS, read_metrics, run_launcher, train
+from _run import RUNS, RunCache, check_records, read_metrics, train
 
 pytestmark = pytest.mark.multirank
 
@@ -46,18 +43,7 @@ DP_DEGREE = {"ddp": 2, "fsdp": 2, "fsdp_tp": 2}
 LONG_STEPS = 4
 
 
-class Runs:
-    """Runs made once per module and shared between tests, keyed by name."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.cache: dict[str, list[dict]] = {}
-
-    def get(self, key: str, *overrides: str, **kwargs) -> list[dict]:
-        if key not in self.cache:
-            self.cache[key] = train(self.root / key, *overrides, **kwargs)
-        return self.cache[key]
-
+class Runs(RunCache):
     def reference(self, model: str) -> list[dict]:
         steps = LONG_STEPS if model == "llama3" else STEPS
         return self.get(f"{model}-ref", model=model, ngpu=1, steps=steps, seq_len=SEQ_LEN, local_batch_size=GLOBAL_BATCH)
@@ -74,14 +60,6 @@ class Runs:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return Runs(tmp_path_factory.mktemp("train"))
-
-
-def check_records(records: list[dict], steps: int) -> None:
-    assert [r["step"] for r in records] == list(range(1, steps + 1))
-    for r in records:
-        for key in ("loss", "grad_norm", "tps", "tflops", "mfu", "memory_gib"):
-            assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r)
-        assert r["tps"] > 0 and r["memory_gib"] > 0
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
@@ -162,51 +140,3 @@ def test_default_job_tensorboard_and_falling_loss(runs: Runs) -> None:
 
     losses = [r["loss"] for r in records]
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
-
-
-# The automatic plan: every placement chosen by the planner, run by the executor.
-AUTO_PLANS = {
-    "auto_fsdp": (2, []),
-    "auto_fsdp_tp": (4, ["--parallelism.tensor_parallel_degree", "2"]),
-}
-
-
-@pytest.mark.parametrize(
-    "model,plan", [("llama3", "auto_fsdp"), ("llama3", "auto_fsdp_tp"), ("qwen3", "auto_fsdp")]
-)
-def test_auto_parallel_loss_parity_with_one_rank(runs: Runs, model: str, plan: str) -> None:
-    ngpu, extra = AUTO_PLANS[plan]
-    ref = runs.reference(model)[:STEPS]
-    got = runs.get(
-        f"{model}-{plan}",
-        "--model.name", f"{model}_auto_parallel", *extra,
-        model=model, ngpu=ngpu, steps=STEPS, seq_len=SEQ_LEN, local_batch_size=GLOBAL_BATCH // 2,
-    )
-    check_records(got, STEPS)
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=LOSS_REL)
-    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=GRAD_NORM_REL)
-    assert len({round(r["loss"], 6) for r in got}) == STEPS
-    plan_json = json.loads((runs.root / f"{model}-{plan}" / "plan.json").read_text())
-    assert plan_json["replicated_ops"] == []
-    assert plan_json["mesh"]["sizes"] == ([2] if ngpu == 2 else [2, 2])
-
-
-def test_auto_parallel_second_start_hits_the_plan_cache(runs: Runs) -> None:
-    first = runs.get(
-        "llama3-auto_fsdp", "--model.name", "llama3_auto_parallel",
-        model="llama3", ngpu=2, steps=STEPS, seq_len=SEQ_LEN, local_batch_size=GLOBAL_BATCH // 2,
-    )
-    folder = runs.root / "llama3-auto_fsdp"
-    assert list((folder / "plan_cache").glob("*.json")), "the first start stored no plan"
-    (folder / "metrics.jsonl").unlink()
-    run = run_launcher(
-        ["--job.dump_folder", folder, "--model.name", "llama3_auto_parallel",
-         "--training.steps", STEPS, "--training.seq_len", SEQ_LEN,
-         "--training.local_batch_size", GLOBAL_BATCH // 2,
-         "--metrics.enable_tensorboard", "false", "--metrics.peak_tflops", "1"],
-        ngpu=2, config=CONFIGS["llama3"],
-    )
-    assert run.returncode == 0, run.tail()
-    assert "plan cache hit" in run.stdout + run.stderr, run.tail()
-    again = read_metrics(folder)
-    assert [r["loss"] for r in again] == pytest.approx([r["loss"] for r in first], rel=1e-6)

@@ -113,10 +113,12 @@ def measure_peak_tflops(threads: int) -> float:
 
 
 def run_row(model: str, ranks: int, plan: str, rep: int, shard: int, tp: int, steps: int, warmup: int, root: Path,
-            peak: float) -> dict:
+            peak: float, model_name: str | None = None) -> dict:
+    """Launch one plan and average its steady-state steps; ``model_name`` picks a registry entry
+    other than ``model`` itself (e.g. ``llama3_auto_parallel``)."""
     dp = rep * shard
     local_batch = GLOBAL_BATCH // dp
-    dump = root / f"{model}-{ranks}-{plan.replace(' ', '_')}"
+    dump = root / f"{model_name or model}-{ranks}-{plan.replace(' ', '_')}"
     args = [
         "--job.dump_folder", str(dump),
         "--training.steps", str(steps),
@@ -128,12 +130,14 @@ def run_row(model: str, ranks: int, plan: str, rep: int, shard: int, tp: int, st
         "--parallelism.tensor_parallel_degree", str(tp),
         "--metrics.peak_tflops", f"{peak:.6g}",
     ]
+    if model_name:
+        args += ["--model.name", model_name]
     config = CONFIGS[model].relative_to(REPO)
     command = f"NGPU={ranks} CONFIG_FILE={config} ./run_train.sh " + " ".join(
         a if not a.startswith(str(root)) else "<dump>" for a in args
     )
-    row = {"model": model, "ranks": ranks, "plan": plan, "degrees": [rep, shard, tp], "local_batch_size": local_batch,
-           "command": command}
+    row = {"model": model_name or model, "ranks": ranks, "plan": plan, "degrees": [rep, shard, tp], "local_batch_size": local_batch,
+           "command": command, "dump": str(dump)}
     print(f"[{time.strftime('%H:%M:%S')}] {command}", flush=True)
     run = run_launcher(args, ngpu=ranks, config=config, timeout=1800)
     row["wall_s"] = round(run.seconds, 1)

@@ -1,0 +1,89 @@
+"""Automatic plans train like one device: 5-step loss parity through ``./run_train.sh`` (gloo, fp32).
+
+For both debug models, the planner's plan on 2 ranks DDP, 2 ranks FSDP,
+2 ranks TP, 4 ranks FSDP 2 x TP 2 and 4 ranks HSDP 2 x 2, and for llama3 on
+8 ranks FSDP 2 x TP 4, logs the 1-rank losses at the same global batch within
+1e-4 relative. A second start of the same job reuses the cached plan.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from _run import CONFIGS, RunCache, check_records, read_metrics, run_launcher
+
+pytestmark = pytest.mark.multirank
+
+GLOBAL_BATCH = 4
+SEQ_LEN = 64
+STEPS = 5
+LOSS_REL = 1e-4
+GRAD_NORM_REL = 1e-3  # sharded fp32 norms sum in another order; see test_train.py
+
+_DP_REPLICATE = "--parallelism.data_parallel_replicate_degree"
+_DP_SHARD = "--parallelism.data_parallel_shard_degree"
+_TP = "--parallelism.tensor_parallel_degree"
+
+# plan -> (ranks, overrides, mesh sizes the plan must report)
+PLANS = {
+    "ddp": (2, [_DP_REPLICATE, "2", _DP_SHARD, "1"], [2]),
+    "fsdp": (2, [], [2]),
+    "tp": (2, [_DP_SHARD, "1", _TP, "2"], [2]),
+    "fsdp_tp": (4, [_TP, "2"], [2, 2]),
+    "hsdp": (4, [_DP_REPLICATE, "2", _DP_SHARD, "2"], [2, 2]),
+    "fsdp2_tp4": (8, [_TP, "4"], [2, 4]),
+}
+CASES = [(m, p) for m in ("llama3", "qwen3") for p in PLANS if p != "fsdp2_tp4"] + [("llama3", "fsdp2_tp4")]
+
+
+class Runs(RunCache):
+    def reference(self, model: str) -> list[dict]:
+        return self.get(f"{model}-ref", model=model, ngpu=1, steps=STEPS, seq_len=SEQ_LEN,
+                        local_batch_size=GLOBAL_BATCH)
+
+    def auto(self, model: str, plan: str) -> list[dict]:
+        ngpu, extra, mesh = PLANS[plan]
+        dp = ngpu // (int(extra[extra.index(_TP) + 1]) if _TP in extra else 1)
+        return self.get(
+            f"{model}-auto_{plan}", "--model.name", f"{model}_auto_parallel", *extra,
+            model=model, ngpu=ngpu, steps=STEPS, seq_len=SEQ_LEN, local_batch_size=GLOBAL_BATCH // dp,
+        )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("auto"))
+
+
+@pytest.mark.parametrize("model,plan", CASES)
+def test_auto_parallel_loss_parity_with_one_rank(runs: Runs, model: str, plan: str) -> None:
+    ref = runs.reference(model)
+    got = runs.auto(model, plan)
+    check_records(got, STEPS)
+    # The first loss is on untrained weights: the placed initialisation must match too.
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=LOSS_REL)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=GRAD_NORM_REL)
+    assert len({round(r["loss"], 6) for r in got}) == STEPS  # the weights moved
+    plan_json = json.loads((runs.root / f"{model}-auto_{plan}" / "plan.json").read_text())
+    assert plan_json["replicated_ops"] == []
+    assert plan_json["mesh"]["sizes"] == PLANS[plan][2]
+
+
+def test_auto_parallel_second_start_hits_the_plan_cache(runs: Runs) -> None:
+    first = runs.auto("llama3", "fsdp")
+    folder = runs.root / "llama3-auto_fsdp"
+    assert list((folder / "plan_cache").glob("*.json")), "the first start stored no plan"
+    (folder / "metrics.jsonl").unlink()
+    run = run_launcher(
+        ["--job.dump_folder", folder, "--model.name", "llama3_auto_parallel",
+         "--training.steps", STEPS, "--training.seq_len", SEQ_LEN,
+         "--training.local_batch_size", GLOBAL_BATCH // 2,
+         "--metrics.enable_tensorboard", "false", "--metrics.peak_tflops", "1"],
+        ngpu=2, config=CONFIGS["llama3"],
+    )
+    assert run.returncode == 0, run.tail()
+    assert "plan cache hit" in run.stdout + run.stderr, run.tail()
+    again = read_metrics(folder)
+    assert [r["loss"] for r in again] == pytest.approx([r["loss"] for r in first], rel=1e-6)

@@ -1,0 +1,53 @@
+"""What makes planning fast must not make it worse: block ties and presolve on the debug model."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.device_mesh import init_device_mesh
+
+from torchtitan_autoparallel.models.registry import build_meta_model
+from torchtitan_autoparallel.planner.build import build_problem
+from torchtitan_autoparallel.planner.profiles import load_profile
+from torchtitan_autoparallel.planner.repeats import _phase_layer_groups, repeated_layer_ties
+from torchtitan_autoparallel.planner.solvers import get_solver
+from torchtitan_autoparallel.planner.strategy import enumerate_strategies
+from torchtitan_autoparallel.planner.trace import trace_training_step
+
+N_LAYERS = 4
+PROFILE = load_profile("h100")
+
+pytestmark = pytest.mark.usefixtures("fake_world")
+
+
+@pytest.fixture(scope="module")
+def stages():
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_shard", "tp"))
+    traced = trace_training_step(build_meta_model("llama3", "debugmodel", N_LAYERS), 8, 256)
+    table = enumerate_strategies(traced, mesh)
+    return traced, table
+
+
+def test_interior_blocks_share_one_solution_and_the_outer_ones_stay_free(stages):
+    traced, table = stages
+    tied = {n for group in repeated_layer_ties(traced, table) for n in group}
+    for (phase, layer), nodes in _phase_layer_groups(traced, table).items():
+        choices = [n for n in nodes if len(table.nodes[n].strategies) > 1]
+        share = sum(n in tied for n in choices) / len(choices)
+        if layer in (0, N_LAYERS - 1):
+            assert share == 0, (phase, layer)
+        else:
+            # every op with a choice in an interior block is tied to its copies
+            assert share == 1, (phase, layer, share)
+
+
+def test_simplification_and_ties_leave_the_debug_model_optimum_unchanged(stages):
+    traced, table = stages
+    tied = build_problem(traced, table, PROFILE, None, repeated_layer_ties(traced, table)).problem
+    free = build_problem(traced, table, PROFILE, None, []).problem
+    reference = get_solver("ilp", "highs", presolve=False).solve(free, 300)
+    assert reference.status == "optimal"
+    for problem in (free, tied):
+        fast = get_solver("ilp", "highs", presolve=True).solve(problem, 300)
+        assert fast.status == "optimal"
+        assert fast.objective == pytest.approx(reference.objective, rel=1e-9)
+        assert fast.objective == pytest.approx(problem.energy(fast.assignment), rel=1e-12)
