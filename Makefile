@@ -1,9 +1,11 @@
 # Two entry points for a fresh machine (Python 3.11, no GPU needed):
-#   make train   set up .venv, then run the default training job
+#   make train   set up .venv, then run the default training job (the planner's plan, 4 ranks)
 #   make test    set up .venv, then run the test suite
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 .PHONY: train test setup
 
@@ -16,7 +18,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	./run_train.sh
+	./run_train.sh --model.name llama3_auto_parallel
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM)
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+
+# tests/test_report.py renders plan.html in Debian's headless Chromium (~1.5 min to install).
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium

@@ -11,6 +11,9 @@
 #                fake process group (check configs, plan for clusters you don't have)
 #   NNODES, NODE_RANK, RDZV_ENDPOINT (host:port), RDZV_ID: multi-node runs through
 #                torchrun's c10d rendezvous (see scripts/slurm_train.sbatch)
+#   CALIBRATE=1  measure this cluster and write a cost profile instead of training;
+#                the arguments are the calibrator's (--out profile.json, see
+#                python -m torchtitan_autoparallel.calibrate --help)
 # Every other argument is a --section.key value override of the TOML file.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -23,10 +26,15 @@ COMM_MODE=${COMM_MODE:-}
 gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "$gpus" -gt 0 ]; then NGPU=${NGPU:-$gpus}; else NGPU=${NGPU:-4}; fi
 
-# Check the configuration once, before any rank starts: bad input gives one line.
-"$PYTHON" -m torchtitan_autoparallel.train.preflight --ngpu "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
+if [ -n "${CALIBRATE:-}" ]; then
+  entry=(-m torchtitan_autoparallel.calibrate)
+else
+  entry=(-m torchtitan_autoparallel.train.main --job.config_file "$CONFIG_FILE")
+  # Check the configuration once, before any rank starts: bad input gives one line.
+  "$PYTHON" -m torchtitan_autoparallel.train.preflight --ngpu "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
+fi
 
-if [ "$COMM_MODE" = "fake_backend" ]; then
+if [ "$COMM_MODE" = "fake_backend" ] && [ -z "${CALIBRATE:-}" ]; then
   NGPU=$NGPU COMM_MODE=$COMM_MODE exec "$PYTHON" -m torchtitan_autoparallel.train.main \
     --job.config_file "$CONFIG_FILE" "$@"
 fi
@@ -47,4 +55,4 @@ fi
 
 exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NGPU" "${rdzv[@]}" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m torchtitan_autoparallel.train.main --job.config_file "$CONFIG_FILE" "$@"
+  "${entry[@]}" "$@"

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("fake_world")
 
 @pytest.fixture(scope="module")
 def model():
-    return build_meta_model("llama3", "debugmodel", n_layers=3)
+    return build_meta_model("llama3", "debugmodel", n_layers=4)  # two interior blocks to tie
 
 
 @pytest.fixture(scope="module")

@@ -181,7 +181,7 @@ def test_get_solver_registry() -> None:
     assert get_solver("ilp").name == "ilp-highs"
     assert get_solver("ilp", backend="cbc").name == "ilp-cbc"
     assert get_solver("brute-force").name == "brute-force"
-    with pytest.raises(ValueError, match="accepted: brute-force, ilp"):
+    with pytest.raises(ValueError, match="accepted: approx, auto, brute-force, ilp, lp"):
         get_solver("simplex")
     with pytest.raises(ValueError, match="backend"):
         get_solver("ilp", backend="gurobi")

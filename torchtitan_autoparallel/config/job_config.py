@@ -99,6 +99,7 @@ class AutoParallel:
     plan_cache: bool = True
     cost_profile: str = "auto"
     export_problem: str = ""
+    report_warn_gib: float = 1.0  # plan.html warns of gathers materialising more per device
 
 
 @dataclass

@@ -9,7 +9,7 @@ DTYPES = ("float32", "bfloat16")
 DECAY_TYPES = ("linear", "cosine", "sqrt")
 AC_MODES = ("none", "full", "selective")
 OPTIMIZERS = ("AdamW", "Adam")
-SOLVERS = ("ilp",)
+SOLVERS = ("ilp", "lp", "approx", "auto")
 ILP_BACKENDS = ("highs", "cbc")
 
 
@@ -52,6 +52,7 @@ def validate(c: JobConfig) -> None:
     _at_least("autoparallel.time_limit_s", a.time_limit_s, 1e-3)
     if a.memory_budget_gib is not None:
         _at_least("autoparallel.memory_budget_gib", a.memory_budget_gib, 1e-9)
+    _at_least("autoparallel.report_warn_gib", a.report_warn_gib, 0)
 
 
 def _validate_parallelism(c: JobConfig) -> None:

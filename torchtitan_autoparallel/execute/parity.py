@@ -41,6 +41,7 @@ class ParityConfig:
     portable_kernels: int = 0  # 1: attention through kernels.py's stand-ins (what a GPU runs)
     local_batch: int = 0  # 1: feed each rank its slice (step_local), as a sharded dataloader does
     compile: int = 0  # 1: re-trace into a local-tensor graph before training (compiled.py)
+    strided_sharding: int = 0  # 1: plan with [autoparallel] strided_sharding
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ParityResult:
     local_ops: dict[str, int] = field(default_factory=dict)
     plan_timings: dict[str, float] = field(default_factory=dict)
     step_seconds: list[float] = field(default_factory=list)
+    strided_nodes: int = 0  # planned nodes with a _StridedShard input or output
 
 
 # ---------------------------------------------------------------- shared by both sides
@@ -129,9 +131,11 @@ def run_planned(
         seq_len=cfg.seq_len,
         profile=load_profile("h100" if device_type == "cuda" else "cpu_gloo"),
         portable_kernels=bool(cfg.portable_kernels),
+        strided_sharding=bool(cfg.strided_sharding),
     )
     step = planned.step
     result = ParityResult(losses=[], grad_norms=[], plan_timings=dict(planned.plan.timings))
+    result.strided_nodes = _strided_nodes(planned)
     if do_audit:
         expected, executed = audit(step, planned.plan, *batch(cfg, 0, _vocab(full)))
         result.expected, result.executed = dict(expected), dict(executed)
@@ -164,6 +168,14 @@ def run_planned(
         result.grad_norms.append(float(norm) if norm is not None else float("nan"))
     result.local_ops = step.local_ops()
     return result
+
+
+def _strided_nodes(planned) -> int:
+    from torchtitan_autoparallel.execute.placements import chosen_strategies
+    from torchtitan_autoparallel.planner.strided import has_strided
+
+    chosen = chosen_strategies(planned.built, planned.solution).values()
+    return sum(any(map(has_strided, (*s.outputs, *s.inputs))) for s in chosen)
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from torchtitan_autoparallel.execute.placements import normalise
+from torchtitan_autoparallel.execute.strided import has_strided, redistribute_strided
 from torchtitan_autoparallel.planner.placement import Placements
 
 
@@ -25,6 +26,13 @@ def redistribute_to(value: DTensor, mesh: DeviceMesh, target: Placements) -> DTe
     target = normalise(target, value.ndim)
     if normalise(value.placements, value.ndim) == target:
         return value
+    if has_strided(value.placements) or has_strided(target):
+        # DTensor gets some of these wrong; strided.py does them explicitly.
+        return redistribute_strided(value, mesh, target, _redistribute_plain)
+    return _redistribute_plain(value, mesh, target)
+
+
+def _redistribute_plain(value: DTensor, mesh: DeviceMesh, target: Placements) -> DTensor:
     value = _replicate_to_partial(value, mesh, target)
     if tuple(value.placements) == target:
         return value

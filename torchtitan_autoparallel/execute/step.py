@@ -149,11 +149,19 @@ class PlannedStep:
         summaries. Run the training step with ``step``/``step_local``, never
         ``model(tokens)``: that would run DTensor's own choices, not the plan.
         """
-        for fqn, param in self.params.items():
+        for fqn in self.params:
             parent, name = _parent(model, fqn)
             if not isinstance(getattr(parent, name, None), nn.Parameter):
                 raise KeyError(f"{fqn}: not a parameter of {type(model).__name__}")
-            parent.register_parameter(name, param)
+        # A tied weight (Qwen3's embedding and lm_head) is traced under its first
+        # name only; every alias must get the planned tensor too, or the model
+        # would keep a stale meta tensor there (in its state dict, its optimizer).
+        first_name = {id(p): fqn for fqn, p in model.named_parameters()}
+        for fqn, param in list(model.named_parameters(remove_duplicate=False)):
+            planned = self.params.get(first_name[id(param)])
+            if planned is not None:
+                parent, name = _parent(model, fqn)
+                parent.register_parameter(name, planned)
         for fqn, buf in self.buffers.items():
             parent, name = _parent(model, fqn)
             persistent = name not in parent._non_persistent_buffers_set

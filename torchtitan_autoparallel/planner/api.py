@@ -7,6 +7,8 @@ on the ``torchtitan_autoparallel.planner`` logger.
 from __future__ import annotations
 
 import logging
+import resource
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -63,11 +65,14 @@ def plan_stages(
     solver: str = "ilp",
     ilp_backend: str = "highs",
     time_limit_s: float | None = 300,
+    optimality_check: bool = False,
     memory_budget_gib: float | None = None,
     export_problem: str | None = None,
     loss_fn: LossFn = cross_entropy_loss,
     batch: BatchSpec | None = None,
     solve_hook: SolveHook | None = None,
+    activation_checkpoint: str = "none",
+    strided_sharding: bool = False,
 ) -> PlannedStages:
     """Trace, enumerate, build, solve and decode one training step on ``mesh``.
 
@@ -75,16 +80,27 @@ def plan_stages(
     ``InfeasibleProblem`` (naming the smallest feasible budget) when
     ``memory_budget_gib`` cannot hold the parameters. ``loss_fn`` and
     ``batch`` replace the token batch and cross-entropy for non-LLM models.
+    ``solver`` is ``ilp``, ``lp``, ``approx`` or ``auto`` (``solvers/__init__.py``);
+    ``optimality_check`` adds the LP bound to the plan's ``lower_bound``.
+    ``activation_checkpoint`` ("none", "full", "selective") traces the step
+    with each transformer block recomputed in the backward, so the plan prices
+    and the executor runs the recomputation. ``strided_sharding`` lets the
+    matmul family take the strided shards views produce (``strided.py``).
     """
     timings: dict[str, float] = {}
+    peak_rss: dict[str, float] = {}
     start = clock = time.perf_counter()
 
     def lap(stage: str) -> None:
         nonlocal clock
         now = time.perf_counter()
         timings[stage] = now - clock
+        peak_rss[stage] = _peak_rss_gib()
         clock = now
-        log.info("planner stage %-10s done in %.2f s", stage, timings[stage])
+        log.info(
+            "planner stage %-10s done in %.2f s (%.1f s elapsed, peak RSS %.2f GiB)",
+            stage, timings[stage], now - start, peak_rss[stage],
+        )
 
     names = tuple(mesh.mesh_dim_names or ())
     log.info("planning on mesh %s %s, batch %d x %d", names, tuple(mesh.mesh.shape), global_batch_size, seq_len)
@@ -96,9 +112,10 @@ def plan_stages(
         reduce_dtype=reduce_dtype,
         loss_fn=loss_fn,
         batch=batch,
+        activation_checkpoint=activation_checkpoint,
     )
     lap("trace")
-    table = enumerate_strategies(traced, mesh)
+    table = enumerate_strategies(traced, mesh, strided_sharding)
     if table.replicated_ops:
         log.warning("ops replicated for lack of a sharding rule: %s", ", ".join(table.replicated_ops))
     lap("strategies")
@@ -109,7 +126,8 @@ def plan_stages(
         log.info("problem written to %s", export_problem)
     lap("build")
     def solve() -> Solution:
-        return get_solver(solver, ilp_backend).solve(built.problem, time_limit_s)
+        chosen = get_solver(solver, ilp_backend, optimality_check=optimality_check)
+        return chosen.solve(built.problem, time_limit_s)
 
     solution = solve_hook(built, solve) if solve_hook else solve()
     log.info(
@@ -120,9 +138,21 @@ def plan_stages(
         solution.lower_bound,
         solution.gap,
     )
+    if solution.status == "time_limit":
+        log.warning(
+            "solve: the time limit (%s s) stopped %s; the plan is proven within %.3g%% of the optimum",
+            time_limit_s, solution.solver, 100 * solution.gap,
+        )
     lap("solve")
     plan = plan_from_solution(solution, built, traced, timings)
     lap("plan")
+    plan.peak_rss_gib = peak_rss
     plan.timings["total"] = time.perf_counter() - start
     log.info("planner total %.2f s", plan.timings["total"])
     return PlannedStages(plan, traced, built, solution)
+
+
+def _peak_rss_gib() -> float:
+    """This process' memory high-water mark so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)

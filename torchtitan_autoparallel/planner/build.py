@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from torchtitan_autoparallel.planner.cost_model import compute_time_us, redistribute_cost_matrix
-from torchtitan_autoparallel.planner.placement import MeshSpec, Placements, label, local_shape
+from torchtitan_autoparallel.planner.placement import MeshSpec, Placements, is_shard, label, local_shape
 from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.profiles import HardwareProfile
 from torchtitan_autoparallel.planner.rules import VIEW_OPS
@@ -146,15 +146,15 @@ def strategy_time_us(node: fx.Node, s: Strategy, mesh: MeshSpec, profile: Hardwa
 
 def _flops(node: fx.Node, ins: list[tuple[int, ...]]) -> float:
     op = node.target
-    if op is aten.mm.default:
+    if op in (aten.mm.default, aten._scaled_mm.default):
         (m, k), (_, n) = ins[0], ins[1]
         return 2.0 * m * k * n
     if op is aten.addmm.default:
         (m, k), (_, n) = ins[1], ins[2]
         return 2.0 * m * k * n
-    if op is aten.bmm.default:
-        (b, m, k), (_, _, n) = ins[0], ins[1]
-        return 2.0 * b * m * k * n
+    if op in (aten.bmm.default, aten.baddbmm.default):
+        a, b = (ins[1], ins[2]) if op is aten.baddbmm.default else (ins[0], ins[1])
+        return 2.0 * a[0] * a[1] * a[2] * b[2]
     if "scaled_dot_product" in str(op):
         backward = "backward" in str(op)
         q, k = (ins[1], ins[2]) if backward else (ins[0], ins[1])
@@ -309,9 +309,7 @@ def _memory(
 
 
 def _pieces(p: Placements, mesh: MeshSpec) -> int:
-    from torch.distributed.tensor.placement_types import Shard
-
-    return math.prod(n for x, n in zip(p, mesh.sizes) if isinstance(x, Shard))
+    return math.prod(n for x, n in zip(p, mesh.sizes) if is_shard(x))
 
 
 def _budget(min_bytes: float, budget_gib: float | None) -> float:

@@ -155,18 +155,34 @@ def _padded(dims: list[int], d: int, n: int) -> list[int]:
     return [-(-x // n) * n if k == d else x for k, x in enumerate(dims)]
 
 
-def _nesting_blocked(state: tuple[Code, ...], i: int, old: Code, new: Code) -> bool:
+def _nesting_blocked(
+    state: tuple[Code, ...], i: int, old: Code, new: Code, mesh_shape: tuple[int, ...]
+) -> bool:
     """Whether changing mesh dim ``i`` would break DTensor's default shard order.
 
     Plain placements mean mesh dims shard a tensor dim left to right, so only
     the innermost (right-most) mesh dim sharding a tensor dim may shard or
     unshard it; the others have to be replicated first (DTensor's "nested
-    sharding" detour).  _StridedShard encodes its own order and is exempt.
+    sharding" detour).  A _StridedShard's chunks live in the local tensor the
+    later mesh dims cut, so it nests the same way, except in FSDP2+TP's order:
+    _StridedShard(d, k) followed only by plain shards of d whose mesh sizes
+    multiply to k (the tp-first layout spelled left to right), which may turn
+    into or out of a non-shard alone (the executor gathers or cuts just that
+    mesh dim; execute/strided.py).
     """
-    if old[0] == "T" or new[0] == "T":
+    touched = {c[1] for c in (old, new) if c[0] in _SHARDS}
+    later = [j for j in range(i + 1, len(state)) if state[j][0] in _SHARDS and state[j][1] in touched]
+    if not later:
         return False
-    touched = {c[1] for c in (old, new) if c[0] == "S"}
-    return bool(touched) and any(c[0] in _SHARDS and c[1] in touched for c in state[i + 1 :])
+    strided = old if old[0] == "T" else new
+    other = new if strided is old else old
+    tp_first = (
+        strided[0] == "T"
+        and other[0] not in _SHARDS
+        and all(state[j][0] == "S" for j in later)
+        and math.prod(mesh_shape[j] for j in later) == strided[2]
+    )
+    return not tp_first
 
 
 def _transition(
@@ -174,7 +190,7 @@ def _transition(
 ) -> tuple[str, float] | None:
     """(collective kind or "free", bytes) of one mesh-dim change; None if DTensor cannot do it."""
     old, n = state[i], mesh_shape[i]
-    if _nesting_blocked(state, i, old, new):
+    if _nesting_blocked(state, i, old, new, mesh_shape):
         return None
     if old[0] == "R":
         return ("free", 0.0)  # local chunk, or keep / zero for Partial

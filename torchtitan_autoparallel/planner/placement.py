@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
 from torchtitan_autoparallel.planner.cost_model import placements_str
 
@@ -65,17 +65,25 @@ def label(placements: Sequence[Placement]) -> str:
     return placements_str(placements)
 
 
+def is_shard(p: Placement) -> bool:
+    """Shard or _StridedShard: torch 2.14's _StridedShard is no Shard subclass."""
+    return isinstance(p, (Shard, _StridedShard))
+
+
 def shard_factor(shape: Sequence[int], placements: Sequence[Placement], mesh: MeshSpec) -> int:
     """How many pieces a tensor is cut into (the divisor of its per-device bytes)."""
     del shape  # kept in the signature: uneven sharding would need it
-    return math.prod(n for p, n in zip(placements, mesh.sizes) if isinstance(p, Shard))
+    return math.prod(n for p, n in zip(placements, mesh.sizes) if is_shard(p))
 
 
 def local_shape(shape: Sequence[int], placements: Sequence[Placement], sizes: Sequence[int]) -> tuple[int, ...]:
-    """Per-device shape (ceil division; Partial and Replicate keep the full size)."""
+    """Per-device shape (ceil division; Partial and Replicate keep the full size).
+
+    A strided shard holds as many elements as a plain one, only not contiguous.
+    """
     dims = list(shape)
     for p, n in zip(placements, sizes):
-        if isinstance(p, Shard):
+        if is_shard(p):
             dims[p.dim] = -(-dims[p.dim] // n)
     return tuple(dims)
 
@@ -84,16 +92,23 @@ def is_evenly_shardable(shape: Sequence[int], placements: Sequence[Placement], s
     """Every sharded tensor dim splits evenly over the mesh dims sharding it.
 
     We only plan even shards: the executor and the cost model then agree on
-    every local shape, and no rank idles on padding.
+    every local shape, and no rank idles on padding. Mesh dims cut the local
+    tensor left to right; a _StridedShard(d, k) cuts each of its k chunks, so
+    the local size must split into k * n.
     """
-    per_dim: dict[int, int] = {}
+    dims = list(shape)
     for p, n in zip(placements, sizes):
-        if isinstance(p, Shard):
-            d = p.dim if p.dim >= 0 else p.dim + len(shape)
-            if not 0 <= d < len(shape):
-                return False
-            per_dim[d] = per_dim.get(d, 1) * n
-    return all(shape[d] % k == 0 and shape[d] >= k for d, k in per_dim.items())
+        if not is_shard(p):
+            continue
+        d = p.dim if p.dim >= 0 else p.dim + len(shape)
+        if not 0 <= d < len(shape):
+            return False
+        # On a size-1 mesh dim a strided shard is the whole tensor, whatever k.
+        pieces = n * int(p.split_factor) if isinstance(p, _StridedShard) and n > 1 else n
+        if dims[d] % pieces or dims[d] < pieces:
+            return False
+        dims[d] //= n
+    return True
 
 
 def tensor_placements(shape: Sequence[int], mesh: MeshSpec) -> list[Placements]:

@@ -26,6 +26,7 @@ from torchtitan_autoparallel.planner.cost_model import (
     placement_str,
     redistribute_steps,
 )
+from torchtitan_autoparallel.planner.memory import peak_activation_bytes
 from torchtitan_autoparallel.planner.placement import label
 from torchtitan_autoparallel.planner.rules import VIEW_OPS
 from torchtitan_autoparallel.planner.solvers.base import Solution
@@ -50,7 +51,7 @@ class Plan:
     parameters: dict[str, list[str]]  # FQN -> one placement label per mesh dim
     nodes: dict[str, str]  # graph node -> output placements
     collectives: list[Collective]
-    predicted: dict[str, float]  # compute_us, comm_us, total_us, param_bytes_per_device
+    predicted: dict[str, float]  # compute_us, comm_us, total_us, param_bytes_per_device, peak_activation_bytes_per_device
     replicated_ops: list[str]
     objective: float
     lower_bound: float
@@ -58,6 +59,7 @@ class Plan:
     status: str
     timings: dict[str, float] = field(default_factory=dict)
     memory_budget_bytes: float | None = None
+    peak_rss_gib: dict[str, float] = field(default_factory=dict)  # planner's memory high-water mark after each stage
 
     # ------------------------------------------------------------ accessors
 
@@ -114,6 +116,8 @@ def plan_from_solution(
         "comm_us": comm,
         "total_us": compute + comm,
         "param_bytes_per_device": float(problem.memory_used(x)),
+        # An estimate from live tensor sizes; planner/memory.py says what it counts.
+        "peak_activation_bytes_per_device": peak_activation_bytes(traced, chosen, built.edge_parts, mesh.sizes),
     }
     return Plan(
         mesh={"names": list(mesh.names), "sizes": list(mesh.sizes)},

@@ -43,6 +43,7 @@ from torchtitan_autoparallel.planner.placement import (
     replicated,
 )
 from torchtitan_autoparallel.planner.rules import our_rule
+from torchtitan_autoparallel.planner import strided as strided_rules
 from torchtitan_autoparallel.planner.trace import TracedStep
 
 log = logging.getLogger("torchtitan_autoparallel.planner")
@@ -86,6 +87,8 @@ class _Enumerator:
     hits: int = 0
     misses: int = 0
     replicated: set[str] = field(default_factory=set)
+    # [autoparallel] strided_sharding: matmuls (and t) also take the inputs' strided shards.
+    strided: bool = False
 
     # ------------------------------------------------------------------ nodes
 
@@ -108,7 +111,12 @@ class _Enumerator:
             if merged:
                 return list(merged), "follow"
             return self._memo(key + ("replicate",), node, [[]])
+        if self._strided_op(op):
+            key = key + strided_rules.memo_key(candidates)
         return self._memo(key, node, candidates)
+
+    def _strided_op(self, op: object) -> bool:
+        return self.strided and op in strided_rules.STRIDED_OPS
 
     def _memo(self, key: tuple, node: fx.Node, candidates: list[list[Placements]]) -> tuple[list[Strategy], str]:
         if key in self.cache:
@@ -146,7 +154,11 @@ class _Enumerator:
                 log.warning("sharding rule of %s failed (%s); replicating it", op, err)
                 rules = None
             if rules is not None:
-                strategies = expand_rules(rules, len(out_metas), out_metas, in_metas, self.mesh)
+                rules = list(rules)  # read twice when strided variants are added
+                extra = self._strided_variants(op, rules, candidates, out_metas, in_metas)
+                strategies = expand_rules(rules, len(out_metas), out_metas, in_metas, self.mesh, extra)
+                if extra is not None:
+                    strategies = strided_rules.keep_offered(strategies, candidates)
                 if strategies:
                     return strategies, source
         elif _propagator_kind(op) == "torch" and all(candidates):
@@ -157,6 +169,13 @@ class _Enumerator:
         rep = replicated(self.mesh)
         outs = tuple(rep if m is not None else None for m in out_metas)
         return [Strategy(outs, tuple(rep for _ in range(n_in)))], "replicate"
+
+    def _strided_variants(self, op, rules, candidates, out_metas, in_metas) -> list[list] | None:
+        """Per mesh dim, the strided rules of a matmul or t (None when the option is off)."""
+        if not self._strided_op(op):
+            return None
+        offers = strided_rules.offers(candidates, in_metas, self.mesh.ndim)
+        return strided_rules.strided_rules(rules, offers, [*out_metas, *in_metas], len(out_metas))
 
     def _follow_one(self, node: fx.Node, cand: Placements) -> list[Strategy]:
         out_metas = _output_metas(node.meta["val"])
@@ -186,9 +205,10 @@ class _Enumerator:
         schema = OpSchema(node.target, tuple(args), kwargs, schema_info=sp.op_to_schema_info.get(node.target))
         try:
             result = sp.op_strategy_funcs[node.target](schema)
-        except (RuntimeError, AssertionError, ValueError, NotImplementedError):
+        except (RuntimeError, AssertionError, ValueError, NotImplementedError, KeyError):
             # torch refuses this input placement (e.g. a view that would
-            # unflatten an uneven shard): not a candidate, not an error.
+            # unflatten an uneven shard; on a size-1 mesh dim, expand of a
+            # Shard on a broadcast size-1 dim raises KeyError): not a candidate.
             return []
         if not isinstance(result, OpStrategy):
             return []
@@ -202,10 +222,16 @@ class _Enumerator:
         return _valid(out, out_metas, in_metas, self.mesh)
 
 
-def enumerate_strategies(traced: TracedStep, device_mesh: DeviceMesh) -> StrategyTable:
-    """Strategies for every tensor-carrying node of the traced step."""
+def enumerate_strategies(
+    traced: TracedStep, device_mesh: DeviceMesh, strided_sharding: bool = False
+) -> StrategyTable:
+    """Strategies for every tensor-carrying node of the traced step.
+
+    With ``strided_sharding`` the matmul family also gets ``_StridedShard``
+    variants for the strided shards its inputs can carry (``strided.py``).
+    """
     mesh = MeshSpec.from_device_mesh(device_mesh)
-    en = _Enumerator(device_mesh, mesh)
+    en = _Enumerator(device_mesh, mesh, strided=strided_sharding)
     roles = _placeholder_roles(traced)
     table: dict[fx.Node, NodeStrategies] = {}
     for node in traced.graph.graph.nodes:
@@ -239,15 +265,20 @@ def expand_rules(
     out_metas: list[TensorMeta | None],
     in_metas: list[TensorMeta],
     mesh: MeshSpec,
+    extra: list[list] | None = None,
 ) -> list[Strategy]:
-    """Single-mesh-dim rules -> full-mesh strategies (cartesian product over mesh dims)."""
+    """Single-mesh-dim rules -> full-mesh strategies (cartesian product over mesh dims).
+
+    ``extra[i]`` are further rules for mesh dim ``i`` only (strided variants).
+    """
     n_in = len(in_metas)
     filled = [_fill(rule) for rule in rules]
     filled = [r for r in filled if len(r) == n_out + n_in]
     if not any(all(p is None or isinstance(p, Replicate) for p in r) for r in filled):
         filled.insert(0, [None if out_metas[i] is None else Replicate() for i in range(n_out)] + [Replicate()] * n_in)
+    per_dim = [filled + [r for r in (extra[i] if extra else []) if len(r) == n_out + n_in] for i in range(mesh.ndim)]
     out: list[Strategy] = []
-    for combo in itertools.product(filled, repeat=mesh.ndim):
+    for combo in itertools.product(*per_dim):
         per_pos = list(zip(*combo))  # position -> placement on each mesh dim
         if any(any(p is None for p in ps) and not all(p is None for p in ps) for ps in per_pos):
             continue

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 
+from torchtitan_autoparallel.planner.recompute import checkpointed_blocks
 from torchtitan_autoparallel.train.loss import cross_entropy_loss
 
 log = logging.getLogger("torchtitan_autoparallel.planner")
@@ -63,6 +64,7 @@ class TracedStep:
     grad_casts: dict[str, fx.Node]
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    activation_checkpoint: str = "none"  # the recompute mode traced (recompute.py)
 
     @property
     def num_ops(self) -> int:
@@ -78,10 +80,14 @@ def trace_training_step(
     reduce_dtype: torch.dtype = torch.float32,
     loss_fn: LossFn = cross_entropy_loss,
     batch: BatchSpec | None = None,
+    activation_checkpoint: str = "none",
 ) -> TracedStep:
     """Trace ``loss_fn(model(tokens), labels)`` and its parameter gradients.
 
     ``batch`` overrides the (batch_size, seq_len) token batch for non-LLM models.
+    ``activation_checkpoint`` ("none", "full", "selective") recomputes each
+    transformer block in the backward; the recomputation is part of the graph
+    (``recompute.py``).
     """
     batch = batch or BatchSpec.tokens(batch_size, seq_len)
     names = [n for n, _ in model.named_parameters()]
@@ -96,29 +102,52 @@ def trace_training_step(
         p.requires_grad_(True)
     mixed = param_dtype != next(iter(params.values())).dtype
 
+    joint = _JointStep(model, loss_fn)
+
     def step(ps, bs, tok, lab):
         # Mixed precision as FSDP2 does it: compute in param_dtype from a cast
-        # of the master weight, so the graph shows the cast the plan may
-        # gather after; gradients come back through the cast (or an explicit
-        # one to reduce_dtype).
+        # of the master weight, so the graph shows the cast and the plan
+        # chooses which side of it to gather on; gradients come back through
+        # the cast (or an explicit one to reduce_dtype).
         compute = {n: ps[n].to(param_dtype) for n in names} if mixed else ps
-        logits = functional_call(model, {**compute, **bs}, (tok,))
-        loss = loss_fn(logits, lab)
         if mixed and reduce_dtype == param_dtype:
-            low = torch.autograd.grad(loss, [compute[n] for n in names])
-            grads = [g.to(ps[n].dtype) for n, g in zip(names, low)]
+            wrt = [compute[n] for n in names]
         else:
-            grads = list(torch.autograd.grad(loss, [ps[n] for n in names]))
-        return loss, grads
+            wrt = [ps[n] for n in names]
+        state = {f"model.{k}": v for k, v in {**compute, **bs}.items()}
+        loss, grads = functional_call(joint, state, (tok, lab, wrt))
+        if mixed and reduce_dtype == param_dtype:
+            grads = [g.to(ps[n].dtype) for n, g in zip(names, grads)]
+        return loss, list(grads)
 
-    gm = make_fx(step, tracing_mode="fake", record_module_stack=True)(params, buffers, tokens, labels)
+    with checkpointed_blocks(model, activation_checkpoint):
+        gm = make_fx(step, tracing_mode="fake", record_module_stack=True)(params, buffers, tokens, labels)
     _remove_inplace(gm)
     _drop_aliases(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     traced = _identify(gm, names, buffer_names, param_dtype, reduce_dtype, mixed)
+    traced.activation_checkpoint = activation_checkpoint
     log.info("trace: %d ops, %d parameters", traced.num_ops, len(names))
     return traced
+
+
+class _JointStep(nn.Module):
+    """Forward, loss and backward as one module call.
+
+    ``functional_call`` swaps the traced tensors in only for the duration of
+    the call; activation checkpointing re-runs block forwards inside
+    ``autograd.grad``, which must still see them, so the backward runs inside.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, tokens, labels, wrt):
+        loss = self.loss_fn(self.model(tokens), labels)
+        return loss, torch.autograd.grad(loss, wrt)
 
 
 def _fake_like(t: torch.Tensor) -> torch.Tensor:

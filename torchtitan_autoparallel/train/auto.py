@@ -60,11 +60,14 @@ def _plan_kwargs(job: JobConfig, runtime: Runtime, degrees: tuple[int, int, int]
         seq_len=t.seq_len,
         param_dtype=_DTYPES[t.mixed_precision_param],
         reduce_dtype=_DTYPES[t.mixed_precision_reduce],
+        activation_checkpoint=job.activation_checkpoint.mode,
         profile=resolve_profile(job, runtime),
         solver=a.solver,
         ilp_backend=a.ilp_backend,
         time_limit_s=a.time_limit_s,
+        optimality_check=a.optimality_check,
         memory_budget_gib=a.memory_budget_gib,
+        strided_sharding=a.strided_sharding,
     )
 
 
@@ -78,6 +81,9 @@ def _cache_settings(job: JobConfig) -> dict:
             "strided_sharding": a.strided_sharding,
             "activation_checkpoint": job.activation_checkpoint.mode,
         },
+        # solver, backend and time limit are keyed as plan_stages arguments; the check
+        # changes the stored bound (and status)
+        "solver": {"optimality_check": a.optimality_check},
     }
 
 
@@ -105,7 +111,20 @@ def _report_plan(job: JobConfig, runtime: Runtime, plan) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     plan.to_json(folder / "plan.json")
     logger.info("plan:\n%s", plan.table())
+    _write_plan_report(job, plan, folder)
     logger.info(f"plan written to {folder / 'plan.json'} (planning took {plan.timings['total']:.1f} s)")
+
+
+def _write_plan_report(job: JobConfig, plan, folder: Path) -> None:
+    """plan.html beside plan.json, and a warning per collective that gathers too much per device."""
+    from torchtitan_autoparallel.report.common import GIB, large_buffers
+    from torchtitan_autoparallel.report.html import write_html
+
+    threshold = job.autoparallel.report_warn_gib * GIB
+    write_html(plan, folder / "plan.html", threshold)
+    for big in large_buffers(plan, threshold):
+        logger.warning("plan: %s", big.message(threshold))
+    logger.info(f"plan report written to {folder / 'plan.html'}")
 
 
 def plan_job(job: JobConfig, runtime: Runtime, model_config, degrees: tuple[int, int, int]):
@@ -171,6 +190,8 @@ def build_auto_training(
     step.bind_to(model)
     dp_rank, dp_degree = step.data_parallel_coords()
     optimizer = build_optimizer(model, job.optimizer)
+    metrics = build_metrics(job, runtime, flops_per_token)
+    metrics.attach_plan(planned.plan)
     return AutoTraining(
         job=job,
         runtime=runtime,
@@ -179,7 +200,7 @@ def build_auto_training(
         optimizer=optimizer,
         scheduler=build_lr_scheduler(optimizer, t.steps, job.lr_scheduler),
         dataloader=build_data(job, model_config, dp_rank, dp_degree),
-        metrics=build_metrics(job, runtime, flops_per_token),
+        metrics=metrics,
         dp_degree=dp_degree,
         dp_group=None,
         global_tokens_per_step=t.local_batch_size * t.seq_len * dp_degree,

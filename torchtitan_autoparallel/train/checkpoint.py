@@ -4,6 +4,10 @@ Each save is ``<folder>/step-<N>/``: the DCP shards of model and optimizer
 state (resharding on load, so another mesh can read them) plus
 ``train_state.json`` with the step, the data loader position and the model
 identity, written by rank 0.
+
+Parameters and optimizer state are saved as DTensors under the model's own
+FQNs, so a checkpoint does not record a plan: loading fills the DTensors of
+the running plan (hand-written or automatic, any mesh) and DCP reshards.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from torchtitan_autoparallel.errors import UserError
 
@@ -30,6 +36,32 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 class CheckpointError(UserError):
     pass
+
+
+def model_id(family: str, flavor: str) -> str:
+    """What a checkpoint must match to load: hand-written and automatic runs of
+    one family and flavor share it (same tensors under the same FQNs)."""
+    return f"{family}:{flavor}"
+
+
+def job_folder(job) -> Path:
+    return Path(job.job.dump_folder) / job.checkpoint.folder
+
+
+def step_to_load(job) -> int | None:
+    """The step a run of ``job`` resumes from (None: start fresh)."""
+    if not job.checkpoint.enable:
+        return None
+    if job.checkpoint.load_step >= 0:
+        return job.checkpoint.load_step
+    return latest_step(job_folder(job))
+
+
+def check_resume(job, family: str) -> None:
+    """Refuse, before any rank starts, a checkpoint this run could not load."""
+    step = step_to_load(job)
+    if step is not None:
+        read_train_state(job_folder(job), step, model_id(family, job.model.flavor))
 
 
 def latest_step(folder: Path) -> int | None:
@@ -62,8 +94,8 @@ def save(folder: Path, step: int, model: nn.Module, optimizer, train_state: dict
     logger.info(f"saved checkpoint {path}")
 
 
-def load(folder: Path, step: int, model: nn.Module, optimizer, model_id: str) -> dict:
-    """Restore model and optimizer in place; return the saved train state."""
+def read_train_state(folder: Path, step: int, model_id: str) -> dict:
+    """The saved train state of ``step``, checked to belong to ``model_id``."""
     path = folder / f"step-{step}"
     state_file = path / "train_state.json"
     if not state_file.is_file():
@@ -74,9 +106,49 @@ def load(folder: Path, step: int, model: nn.Module, optimizer, model_id: str) ->
             f"checkpoint {path} holds model {state.get('model_id')!r}, this run trains "
             f"{model_id!r}; accepted: a checkpoint of the same model and flavor"
         )
+    return state
+
+
+def load(folder: Path, step: int, model: nn.Module, optimizer, model_id: str) -> dict:
+    """Restore model and optimizer in place; return the saved train state.
+
+    The target state dict holds this run's DTensors, so DCP reads into each
+    rank's shards of the current placements whatever plan or mesh saved them.
+    """
+    path = folder / f"step-{step}"
+    state = read_train_state(folder, step, model_id)
     target = _state(model, optimizer)
-    dcp.load(target, checkpoint_id=str(path))
+    try:
+        dcp.load(target, checkpoint_id=str(path))
+    except CheckpointException as e:  # a BaseException: one line, not a traceback per rank
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model: {_first_failure(e)}; "
+            f"accepted: a checkpoint of the same model and flavor"
+        ) from None
     model.load_state_dict(target["model"])
     set_optimizer_state_dict(model, optimizer, target["optimizer"], options=_OPTIM_OPTIONS)
-    logger.info(f"resumed from checkpoint {path} (step {state['step']})")
+    _check_state_placed_like_params(optimizer)
+    saved_on = state.get("world_size")
+    logger.info(f"resumed from checkpoint {path} (step {state['step']}, saved on {saved_on} rank(s))")
     return state
+
+
+def _first_failure(e: CheckpointException) -> str:
+    for failure in e.failures.values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return str(e)
+
+
+def _check_state_placed_like_params(optimizer) -> None:
+    # AdamW's moments must stay sharded like their parameter, or the update
+    # would mix placements (or silently keep a full copy on every rank).
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, DTensor):
+                continue
+            for key, value in optimizer.state.get(param, {}).items():
+                if value.shape == param.shape and (
+                    not isinstance(value, DTensor) or tuple(value.placements) != tuple(param.placements)
+                ):
+                    raise RuntimeError(f"optimizer state {key!r} is not placed like its parameter {param.placements}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 
 from torchtitan_autoparallel.config import JobConfig, load_config, resolve_degrees
 from torchtitan_autoparallel.distributed.runtime import Runtime, init_runtime, shutdown
@@ -57,6 +56,7 @@ def run(job: JobConfig) -> int:
     entry = get_entry(job.model.name)
     model_config = build_model_config(entry.family, job.model.flavor)
     check_model_fits_mesh(model_config, degrees)
+    checkpoint.check_resume(job, entry.family)  # before planning: refuse early, write nothing
     logger.info(
         f"{job.model.name} {job.model.flavor} on {runtime.world_size} {runtime.device_type} "
         f"rank(s) ({runtime.backend}); replicate {degrees[0]} x shard {degrees[1]} x tensor {degrees[2]}"
@@ -73,11 +73,6 @@ def run_auto_parallel(job: JobConfig, runtime: Runtime, family: str, model_confi
         plan_job(job, runtime, model_config, degrees)
         logger.info("COMM_MODE=fake_backend: plan written; no training on a fake process group")
         return 0
-    if job.checkpoint.enable:
-        raise UserError(
-            f"checkpoint.enable = true with model.name {job.model.name!r}: checkpoints of "
-            f"automatic plans are not available yet; accepted: checkpoint.enable = false"
-        )
     return train(job, build_auto_training(job, runtime, family, model_config, degrees))
 
 
@@ -92,8 +87,8 @@ def run_manual(job: JobConfig, runtime: Runtime, family: str, model_config, degr
 
 def train(job: JobConfig, t: Training) -> int:
     state = TrainState()
-    ckpt_folder = Path(job.job.dump_folder) / job.checkpoint.folder
-    if job.checkpoint.enable and (step := _step_to_load(job, ckpt_folder)) is not None:
+    ckpt_folder = checkpoint.job_folder(job)
+    if (step := checkpoint.step_to_load(job)) is not None:
         saved = checkpoint.load(ckpt_folder, step, t.model, t.optimizer, t.model_id)
         state.step = saved["step"]
         t.dataloader.load_state_dict(saved["data"])
@@ -106,17 +101,15 @@ def train(job: JobConfig, t: Training) -> int:
         if state.step % job.metrics.log_freq == 0 or state.step == job.training.steps:
             t.metrics.log(state.step, t.global_loss(loss), float(grad_norm), lr)
         if job.checkpoint.enable and state.step % job.checkpoint.interval == 0:
-            train_state = {"data": t.dataloader.state_dict(), "model_id": t.model_id}
+            train_state = {
+                "data": t.dataloader.state_dict(),
+                "model_id": t.model_id,
+                "world_size": t.runtime.world_size,
+            }
             checkpoint.save(ckpt_folder, state.step, t.model, t.optimizer, train_state)
     t.metrics.close()
     logger.info("training finished")
     return 0
-
-
-def _step_to_load(job: JobConfig, folder: Path) -> int | None:
-    if job.checkpoint.load_step >= 0:
-        return job.checkpoint.load_step
-    return checkpoint.latest_step(folder)
 
 
 if __name__ == "__main__":

@@ -102,10 +102,28 @@ class MetricsLogger:
 
                 self.tb = SummaryWriter(tensorboard_folder)
         self._tokens = 0
-        self._last = time.perf_counter()
+        self._last = self._step_start = time.perf_counter()
+        self.plan_check = None  # train/plan_check.PlanCheck of a planned run
+        self._logged_step = 0
+
+    def attach_plan(self, plan) -> None:
+        """Log the plan's predicted step time beside the measured one; put the plan in TensorBoard."""
+        from torchtitan_autoparallel.train.plan_check import PlanCheck, write_plan_to_tensorboard
+
+        self.plan_check = PlanCheck.of(plan)
+        if self.tb is not None:
+            write_plan_to_tensorboard(self.tb, plan)
+        self._step_start = time.perf_counter()
 
     def add_tokens(self, global_tokens: int) -> None:
+        """Called once per step, after it: also times the step for the plan check."""
         self._tokens += global_tokens
+        if self.plan_check is not None:
+            if self.device.type == "cuda":  # the step's kernels are queued, not done
+                torch.cuda.synchronize(self.device)
+            now = time.perf_counter()
+            self.plan_check.add_step(now - self._step_start)
+            self._step_start = now
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float) -> dict:
         now = time.perf_counter()
@@ -125,22 +143,34 @@ class MetricsLogger:
             "memory_pct": mem_pct,
             "lr": lr,
             "step_time_s": elapsed,
+            "time": time.time(),  # wall clock, so start-up time can be read off the first record
         }
+        plan_note = ""
+        if self.plan_check is not None:
+            record.update(self.plan_check.fields())
+            plan_note = self.plan_check.step_note()
+        self._logged_step = step
         logger.info(
             f"step: {step:2d}  loss: {loss:7.4f}  grad_norm: {grad_norm:7.4f}  "
             f"memory: {mem:5.2f}GiB({mem_pct:.2f}%)  tps: {tps:,.0f}  "
-            f"tflops: {tflops:,.3f}  mfu: {record['mfu']:.2f}%"
+            f"tflops: {tflops:,.3f}  mfu: {record['mfu']:.2f}%{plan_note}"
         )
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for key, value in record.items():
-                if key != "step":
+                if key not in ("step", "time"):
                     self.tb.add_scalar(f"train/{key}", value, step)
             self.tb.flush()
         return record
 
     def close(self) -> None:
+        if self.plan_check is not None and self.writes:
+            from torchtitan_autoparallel.train.plan_check import write_summary_to_tensorboard
+
+            logger.info(self.plan_check.summary())
+            if self.tb is not None:
+                write_summary_to_tensorboard(self.tb, self.plan_check, self._logged_step)
         if self.jsonl is not None:
             self.jsonl.close()
         if self.tb is not None:

@@ -15,6 +15,7 @@ from torchtitan_autoparallel.errors import ConfigError, UserError
 
 def check(job: JobConfig, ngpu: int) -> None:
     from torchtitan_autoparallel.models.registry import build_model_config, get_entry
+    from torchtitan_autoparallel.train import checkpoint
     from torchtitan_autoparallel.train.setup import check_model_fits_mesh
 
     degrees = resolve_degrees(job, ngpu)
@@ -22,6 +23,7 @@ def check(job: JobConfig, ngpu: int) -> None:
     check_model_fits_mesh(build_model_config(entry.family, job.model.flavor), degrees)
     if entry.auto_parallel:
         _check_cost_profile(job.autoparallel.cost_profile)
+    checkpoint.check_resume(job, entry.family)
     t = job.training
     if t.dataset in ("text", "jsonl") and not Path(t.dataset_path).exists():
         raise ConfigError(

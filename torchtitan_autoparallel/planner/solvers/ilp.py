@@ -33,6 +33,7 @@ PROGRESS_EVERY_S = 5.0
 MIP_REL_GAP = 1e-9  # small enough that "optimal" really means optimal
 OBJECTIVE_RTOL = 1e-6
 INTEGRALITY_TOL = 1e-6  # HiGHS' own default mip_feasibility_tolerance
+FALLBACK_SHARE = 0.1  # of the time limit, granted on top to the approximate fallback
 
 
 class SolverTimeout(TimeoutError):
@@ -69,7 +70,7 @@ class _IlpSolver:
         if run.status == "infeasible":
             raise InfeasibleProblem(self._why_infeasible(problem, model, start, time_limit))
         if run.status == "no_solution":
-            raise SolverTimeout(f"{self.name}: no feasible plan found within {time_limit} s")
+            return self._approximate(problem, start, time_limit)
         assignment = model.assignment(run.col_value)
         objective = problem.energy(assignment)
         _check_objective(self.name, objective, run.objective + model.offset)
@@ -85,6 +86,20 @@ class _IlpSolver:
             self.name, run.status, objective, lower, seconds,
         )
         return Solution(assignment, objective, lower, self.name, run.status, seconds)
+
+    def _approximate(self, problem: Problem, start: float, time_limit: float | None) -> Solution:
+        """No plan in time: the approximate solver's plan (with its own bound) beats none."""
+        # imported here: the approximate solver asks this module when it fails
+        from torchtitan_autoparallel.planner.solvers.approx import ApproxSolver
+
+        LOG.warning(
+            "%s: no feasible plan within %s s; taking the approximate solver's", self.name, time_limit
+        )
+        grace = max(FALLBACK_SHARE * (time_limit or 0.0), 1.0)
+        sol = ApproxSolver(exact_fallback=False).solve(problem, grace)
+        status = "optimal" if sol.status == "optimal" else "time_limit"
+        seconds = time.perf_counter() - start
+        return Solution(sol.assignment, sol.objective, sol.lower_bound, self.name, status, seconds)
 
     def _why_infeasible(
         self, problem: Problem, model: IlpModel, start: float, time_limit: float | None

@@ -1,0 +1,142 @@
+"""Calibration: the fits recover known parameters from synthetic timings, and a
+real 2-rank gloo run through ``CALIBRATE=1 ./run_train.sh`` writes a profile
+that ``[autoparallel] cost_profile`` loads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from _run import PYTHON, REPO, run_launcher
+from torchtitan_autoparallel.calibrate.fit import (
+    CommSample,
+    ComputeSample,
+    FitError,
+    build_profile,
+    fit_compute,
+    fit_link,
+)
+from torchtitan_autoparallel.calibrate.measure import KIB, MIB, default_settings, intra_node_dims
+from torchtitan_autoparallel.planner.cost_model import COLLECTIVES, collective_time_us, compute_time_us
+from torchtitan_autoparallel.planner.profiles import PEAK_DTYPES, load_profile
+
+TRUE = replace(load_profile("h100"), name="truth")
+_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _compute_samples(noise: float, rng: np.random.Generator) -> list[ComputeSample]:
+    """What the cost model says TRUE takes, at the GPU default sizes (compute-bound matmuls)."""
+    settings = default_settings("cuda")
+    out = []
+    for dtype in PEAK_DTYPES:
+        for n in settings.matmul_sizes:
+            flops, nbytes = 2.0 * n**3, 3.0 * n * n * _TORCH[dtype].itemsize
+            us = compute_time_us(flops, nbytes, _TORCH[dtype], TRUE)
+            out.append(ComputeSample("matmul", dtype, flops, nbytes, us * (1 + noise * rng.standard_normal())))
+    for nbytes in settings.copy_bytes:
+        us = compute_time_us(0.0, 2.0 * nbytes, torch.float32, TRUE)
+        out.append(ComputeSample("copy", "float32", 0.0, 2.0 * nbytes, us * (1 + noise * rng.standard_normal())))
+    return out
+
+
+def _comm_samples(link, group_size: int, noise: float, rng: np.random.Generator) -> list[CommSample]:
+    out = []
+    for kind in COLLECTIVES:
+        for nbytes in (64 * KIB, 4 * MIB, 64 * MIB, 256 * MIB):
+            us = collective_time_us(kind, nbytes, group_size, link)
+            out.append(CommSample(kind, 0, group_size, float(nbytes), us * (1 + noise * rng.standard_normal())))
+    return out
+
+
+def test_fits_recover_the_parameters_of_exact_timings() -> None:
+    rng = np.random.default_rng(0)
+    compute = fit_compute(_compute_samples(0.0, rng))
+    for dtype in PEAK_DTYPES:
+        assert compute.tflops[dtype] == pytest.approx(TRUE.peak_tflops[dtype] * TRUE.compute_efficiency, rel=1e-6)
+    assert compute.mem_bandwidth_GBps == pytest.approx(TRUE.mem_bandwidth_GBps, rel=1e-6)
+    assert compute.kernel_overhead_us == pytest.approx(TRUE.kernel_overhead_us, rel=1e-6)
+    for link, n in ((TRUE.intra_node, 8), (TRUE.inter_node, 4)):
+        fit = fit_link(_comm_samples(link, n, 0.0, rng))
+        assert fit.link.latency_us == pytest.approx(link.latency_us, rel=1e-6)
+        assert fit.link.bandwidth_GBps == pytest.approx(link.bandwidth_GBps, rel=1e-6)
+        assert fit.rel_rms < 1e-9
+
+
+def test_fits_stay_close_under_noise_and_price_like_the_truth() -> None:
+    rng = np.random.default_rng(1)
+    compute = fit_compute(_compute_samples(0.03, rng))
+    intra = fit_link(_comm_samples(TRUE.intra_node, 8, 0.03, rng))
+    inter = fit_link(_comm_samples(TRUE.inter_node, 2, 0.03, rng))
+    profile = build_profile("fitted", TRUE, compute, intra, inter, devices_per_node=8)
+    assert profile.compute_efficiency == 1.0
+    for dtype in PEAK_DTYPES:
+        assert profile.peak_tflops[dtype] == pytest.approx(TRUE.peak_tflops[dtype] * TRUE.compute_efficiency, rel=0.05)
+    assert profile.intra_node.bandwidth_GBps == pytest.approx(TRUE.intra_node.bandwidth_GBps, rel=0.05)
+    assert profile.inter_node.bandwidth_GBps == pytest.approx(TRUE.inter_node.bandwidth_GBps, rel=0.05)
+    # What matters to the planner: the fitted profile prices work as the true one does.
+    for kind in COLLECTIVES:
+        assert collective_time_us(kind, 32 * MIB, 8, profile.intra_node) == pytest.approx(
+            collective_time_us(kind, 32 * MIB, 8, TRUE.intra_node), rel=0.05
+        )
+    flops = 2.0 * 4096**3
+    assert compute_time_us(flops, 0, torch.bfloat16, profile) == pytest.approx(
+        compute_time_us(flops, 0, torch.bfloat16, TRUE), rel=0.05
+    )
+
+
+def test_unmeasured_link_and_dtype_are_kept_from_the_base() -> None:
+    rng = np.random.default_rng(2)
+    samples = [s for s in _compute_samples(0.0, rng) if s.dtype == "float32"]
+    profile = build_profile("partial", TRUE, fit_compute(samples), None, None, devices_per_node=8)
+    assert profile.intra_node == TRUE.intra_node and profile.inter_node == TRUE.inter_node
+    # bf16 keeps its ratio to fp32 from the base profile.
+    ratio = TRUE.peak_tflops["bfloat16"] / TRUE.peak_tflops["float32"]
+    assert profile.peak_tflops["bfloat16"] == pytest.approx(profile.peak_tflops["float32"] * ratio, rel=1e-6)
+
+
+def test_fit_errors_name_the_problem() -> None:
+    with pytest.raises(FitError, match="two distinct message sizes"):
+        fit_link([CommSample("all_gather", 0, 2, 1024.0, 10.0)] * 3)
+    with pytest.raises(FitError, match="matmul timings and copy timings"):
+        fit_compute([ComputeSample("copy", "float32", 0.0, 1e6, 10.0)])
+
+
+def test_intra_node_dims_follow_the_row_major_layout() -> None:
+    assert intra_node_dims((2, 4), 4) == [False, True]
+    assert intra_node_dims((8,), 8) == [True]
+    assert intra_node_dims((2, 2, 2), 2) == [False, False, True]
+
+
+@pytest.mark.multirank
+def test_real_two_rank_calibration_writes_a_loadable_profile(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    args = ["--out", out, "--matmul-sizes", "64,256", "--copy-kib", "64,4096",
+            "--message-kib", "16,1024", "--repeats", "3"]
+    run = run_launcher(args, ngpu=2, env={"CALIBRATE": "1"}, timeout=300)
+    assert run.returncode == 0, run.tail()
+    text = run.stdout + run.stderr
+    assert "[calibrate 16/16 ##########]" in text, run.tail()  # 3 dtypes x 2 + 2 copies + 4 kinds x 2 sizes
+    assert f"profile written to {out}" in text
+    profile = load_profile(str(out))  # what --autoparallel.cost_profile PATH calls
+    assert profile.name == "calibrated" and profile.compute_efficiency == 1.0
+    assert all(v > 0 for v in profile.peak_tflops.values()) and profile.intra_node.bandwidth_GBps > 0
+    samples = json.loads(out.with_suffix(".samples.json").read_text())
+    assert len(samples["comm_samples"]) == 8 and samples["kept_from_base"]["fields"] == ["inter_node"]
+
+
+def test_bad_mesh_shape_is_a_one_line_error() -> None:
+    proc = subprocess.run(
+        [str(PYTHON), "-m", "torchtitan_autoparallel.calibrate", "--mesh-shape", "3x1"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: --mesh-shape 3x1 does not cover the 1 ranks launched; "
+        "accepted: sizes joined by 'x' whose product is 1"
+    )

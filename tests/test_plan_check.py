@@ -1,0 +1,120 @@
+"""The plan's predicted step time beside the measured one, and the plan in TensorBoard.
+
+A unit test of ``MetricsLogger`` with a plan attached, and one 2-rank training
+run of the automatic model through ``./run_train.sh`` that must write
+plan.html, the plan-check fields in metrics.jsonl and the TensorBoard plan.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from _run import CONFIGS, check_records, read_metrics, run_launcher
+from torchtitan_autoparallel.planner.plan import Collective, Plan
+from torchtitan_autoparallel.train.metrics import MetricsLogger, Peak
+from torchtitan_autoparallel.train.plan_check import WARMUP_STEPS, PlanCheck
+
+PLAN_TAGS = {"plan/predicted_compute_ms", "plan/predicted_comm_ms", "plan/predicted_overlap_ms", "plan/predicted_step_ms"}
+
+
+def _toy_plan() -> Plan:
+    return Plan(
+        mesh={"names": ["dp_shard"], "sizes": [2]},
+        parameters={"layers.0.attention.wq.weight": ["S(0)"], "layers.1.attention.wq.weight": ["S(0)"], "norm.weight": ["R"]},
+        nodes={},
+        collectives=[Collective("all_gather", "dp_shard", 4096.0, 30.0, 2, "parameter")],
+        predicted={"compute_us": 1500.0, "comm_us": 500.0, "total_us": 2000.0, "param_bytes_per_device": 8192.0,
+                   "peak_activation_bytes_per_device": 65536.0},
+        replicated_ops=[],
+        objective=2000.0,
+        lower_bound=2000.0,
+        solver="ilp-highs",
+        status="optimal",
+    )
+
+
+def test_measured_is_the_mean_after_the_warm_up_steps() -> None:
+    check = PlanCheck.of(_toy_plan())
+    assert check.predicted_step_s == pytest.approx(2e-3)
+    for seconds in (9.0, 5.0):
+        check.add_step(seconds)
+        assert "measured_step_s" not in check.fields()
+    assert "no steady state" in check.summary()
+    for seconds in (0.003, 0.005):
+        check.add_step(seconds)
+    f = check.fields()
+    assert WARMUP_STEPS == 2 and f["measured_step_s"] == pytest.approx(0.004)
+    assert f["measured_over_predicted"] == pytest.approx(2.0)
+    assert "mean of steps 3-4" in check.summary() and "measured/predicted 2.00" in check.summary()
+
+
+def _events(folder: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"images": 0, "tensors": 0, "scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def _check_tensorboard(folder: Path, plan: Plan, records: list[dict]) -> None:
+    acc = _events(folder)
+    tags = acc.Tags()
+    assert PLAN_TAGS <= set(tags["scalars"]), tags["scalars"]
+    step_ms = acc.Scalars("plan/predicted_step_ms")[0].value
+    assert step_ms == pytest.approx(plan.predicted["total_us"] / 1e3, rel=1e-6)
+    assert acc.Scalars("plan/predicted_overlap_ms")[0].value == 0.0
+    assert "plan/table/text_summary" in tags["tensors"], tags
+    text = acc.Tensors("plan/table/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "sharding plan on mesh" in text
+    assert tags["images"] == ["plan/figure"]
+    image = acc.Images("plan/figure")[0]
+    assert image.width > 300 and image.height > 100 and image.encoded_image_string.startswith(b"\x89PNG")
+    measured = [r["measured_step_s"] for r in records if "measured_step_s" in r]
+    assert acc.Scalars("plan/measured_step_ms")[-1].value == pytest.approx(measured[-1] * 1e3, rel=1e-5)
+    assert {"train/predicted_step_s", "train/measured_step_s", "train/measured_over_predicted"} <= set(tags["scalars"])
+
+
+def test_metrics_logger_writes_the_plan_and_the_check(tmp_path: Path, caplog) -> None:
+    plan = _toy_plan()
+    logger = MetricsLogger(str(tmp_path), flops_per_token=1.0, peak=Peak(1.0, "test"), world_size=1,
+                           device=torch.device("cpu"), writes=True, tensorboard_folder=str(tmp_path / "tb"))
+    logger.attach_plan(plan)
+    with caplog.at_level("INFO", logger="torchtitan_autoparallel"):
+        for step in range(1, 5):
+            logger.add_tokens(8)
+            logger.log(step, 1.0, 1.0, 1e-3)
+        logger.close()
+    records = read_metrics(tmp_path)
+    assert all(r["predicted_step_s"] == pytest.approx(2e-3) for r in records)
+    assert ["measured_step_s" in r for r in records] == [False, False, True, True]
+    last = records[-1]
+    assert last["measured_over_predicted"] == pytest.approx(last["measured_step_s"] / 2e-3)
+    assert "plan check: predicted 2.000 ms/step" in caplog.text
+    _check_tensorboard(tmp_path / "tb", plan, records)
+
+
+@pytest.mark.multirank
+def test_auto_training_run_checks_its_plan(tmp_path: Path) -> None:
+    steps = 5
+    args = [
+        "--model.name", "llama3_auto_parallel", "--job.dump_folder", tmp_path,
+        "--training.steps", steps, "--training.seq_len", 64, "--training.local_batch_size", 2,
+        "--metrics.enable_tensorboard", "true", "--metrics.peak_tflops", 1,
+    ]
+    run = run_launcher(args, ngpu=2, config=CONFIGS["llama3"])
+    assert run.returncode == 0, run.tail()
+    out = run.stdout + run.stderr
+    assert "plan check: predicted" in out and "(mean of steps 3-5)" in out, run.tail()
+    assert (tmp_path / "plan.html").read_text().startswith("<!doctype html>")
+    records = read_metrics(tmp_path)
+    check_records(records, steps)
+    plan = Plan.from_json(tmp_path / "plan.json")
+    assert all(r["predicted_step_s"] == pytest.approx(plan.predicted["total_us"] / 1e6) for r in records)
+    assert [r["step"] for r in records if "measured_step_s" in r] == [3, 4, 5]
+    assert records[-1]["measured_over_predicted"] > 0
+    _check_tensorboard(tmp_path / "tb", plan, records)
+    assert json.loads((tmp_path / "plan.json").read_text())["predicted"]["peak_activation_bytes_per_device"] > 0

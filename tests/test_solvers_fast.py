@@ -1,0 +1,323 @@
+"""The fast solvers (LP relaxation, TRW-S approximation, auto) and their certificates.
+
+On random problems the brute-force optimum is the oracle; on the debug
+model's real problem the exact ILP is. Throughout: LP bound <= optimum <=
+every plan, each reported objective is the energy recomputed from the tables,
+and each lower bound is a proven one.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import pytest
+from test_solvers import random_problem
+
+from torchtitan_autoparallel.config import load_config
+from torchtitan_autoparallel.errors import ConfigError
+from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.solvers import (
+    ApproxSolver,
+    BruteForceSolver,
+    HighsILPSolver,
+    LPSolver,
+    get_solver,
+)
+from torchtitan_autoparallel.planner.solvers import auto as auto_module
+from torchtitan_autoparallel.planner.solvers.ilp import _Run
+from torchtitan_autoparallel.planner.solvers.local_search import polish
+from torchtitan_autoparallel.planner.solvers.lp import lp_bound, solve_lp
+from torchtitan_autoparallel.planner.solvers.mrf import build_mrf
+from torchtitan_autoparallel.planner.solvers.trws import Trws
+
+TOL = 1e-6
+FAST = ["lp", "approx", "auto"]
+
+
+def oracle(problem: Problem):
+    try:
+        return BruteForceSolver().solve(problem)
+    except InfeasibleProblem as exc:
+        return exc
+
+
+def assert_scored(problem: Problem, sol) -> None:
+    """The objective is the tables' energy, the plan is feasible, the bound is below it."""
+    assert sol.objective == problem.energy(sol.assignment)
+    assert problem.is_feasible(sol.assignment)
+    assert sol.lower_bound <= sol.objective
+    if problem.memory_budget is not None:
+        assert problem.memory_used(sol.assignment) <= problem.memory_budget * (1 + 1e-9)
+
+
+def mixed_problem(seed: int) -> Problem:
+    """Random problems with every feature: forbidden pairs, pins, ties."""
+    return random_problem(
+        seed, num_nodes=(4, 9), inf_fraction=0.1 * (seed % 2), pins=int(seed % 3 == 0), ties=seed % 4 == 1
+    )
+
+
+# --- random problems against brute force -------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_lp_bound_below_optimum_below_every_plan(seed: int) -> None:
+    problem = mixed_problem(seed)
+    best = oracle(problem)
+    if isinstance(best, InfeasibleProblem):
+        for name in FAST:
+            with pytest.raises(InfeasibleProblem):
+                get_solver(name).solve(problem)
+        return
+    bounds = [lp_bound(problem, None, reduce=False), lp_bound(problem, None, reduce=True)]
+    assert max(bounds) <= best.objective + TOL
+    for name in FAST:
+        sol = get_solver(name).solve(problem, time_limit=30)
+        assert_scored(problem, sol)
+        assert sol.objective >= best.objective - TOL
+        assert sol.lower_bound <= best.objective + TOL
+    lp = solve_lp(problem, None)
+    if lp.integral:  # then the LP's plan is the optimum, and says so
+        assert lp.value == pytest.approx(best.objective, rel=1e-9, abs=TOL)
+        sol = LPSolver().solve(problem)
+        assert sol.status == "optimal"
+        assert sol.objective == pytest.approx(best.objective, rel=1e-9)
+
+
+def test_fractional_lp_is_rounded_polished_and_bounded() -> None:
+    fractional = 0
+    for seed in range(40):
+        problem = random_problem(1000 + seed, num_nodes=(6, 9), inf_fraction=0.0)
+        lp = solve_lp(problem, None)
+        if lp.integral:
+            continue
+        fractional += 1
+        best = BruteForceSolver().solve(problem)
+        sol = LPSolver().solve(problem)
+        assert_scored(problem, sol)
+        assert sol.lower_bound == pytest.approx(lp.value, rel=1e-9)
+        assert lp.value <= best.objective + TOL <= sol.objective + 2 * TOL
+    assert fractional >= 3  # the case is really exercised
+
+
+@pytest.mark.parametrize("iterations", [1, 2, 50])
+def test_trws_bound_is_valid_at_every_iteration(iterations: int) -> None:
+    for seed in range(30):
+        problem = random_problem(2000 + seed, num_nodes=(3, 9), inf_fraction=0.15)
+        best = oracle(problem)
+        if isinstance(best, InfeasibleProblem):
+            continue
+        mrf = build_mrf(problem)
+        run = Trws(mrf).run(mrf.unary, None, max_iters=iterations, gap=0.0)
+        assert run.bound <= best.objective + TOL
+        assert run.energy >= best.objective - TOL
+        assert run.iterations <= iterations
+
+
+def test_approx_is_near_optimal_on_random_problems() -> None:
+    gaps = []
+    for seed in range(40):
+        problem = mixed_problem(3000 + seed)
+        best = oracle(problem)
+        if isinstance(best, InfeasibleProblem):
+            continue
+        sol = ApproxSolver(gap=0.0).solve(problem)
+        assert_scored(problem, sol)
+        gaps.append(sol.objective / best.objective - 1)
+    assert np.mean(np.array(gaps) < 1e-9) >= 0.9  # optimal nine times in ten
+    assert max(gaps) < 0.1
+
+
+def test_local_search_only_lowers_the_energy_and_keeps_the_budget() -> None:
+    rng = np.random.default_rng(0)
+    for seed in range(20):
+        problem = random_problem(4000 + seed, inf_fraction=0.0, memory=True)
+        heaviest = sum(float(m.max()) for m in problem.memory if m is not None)
+        problem.memory_budget = 0.6 * heaviest if heaviest else None
+        try:
+            mrf = build_mrf(problem)
+        except ValueError:  # the budget left some node without a label
+            continue
+        for _ in range(5):
+            x = np.array([rng.integers(len(u)) for u in mrf.unary])
+            y = polish(mrf, x, None)
+            assert mrf.fits(y) or not mrf.fits(x)
+            if mrf.fits(x):
+                assert mrf.energy(y) <= mrf.energy(x) + TOL
+
+
+# --- memory budget -------------------------------------------------------------
+
+
+def _least_memory(problem: Problem) -> float:
+    budget, problem.memory_budget = problem.memory_budget, 0.0
+    with pytest.raises(InfeasibleProblem) as info:
+        HighsILPSolver().solve(problem)
+    problem.memory_budget = budget
+    return float(re.search(r"\((\d+) bytes\)", str(info.value)).group(1))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_approx_respects_a_binding_budget(seed: int) -> None:
+    problem = random_problem(5000 + seed, inf_fraction=0.05 * (seed % 2), memory=True, ties=seed % 2 == 0)
+    if all(m is None for m in problem.memory):
+        problem.memory[0] = np.linspace(1e9, 3e9, len(problem.unary[0]))
+    problem.memory_budget = 1e30
+    free = BruteForceSolver().solve(problem)
+    least = _least_memory(problem)
+    for budget in (least, 0.5 * (least + problem.memory_used(free.assignment))):
+        problem.memory_budget = budget
+        best = BruteForceSolver().solve(problem)
+        for name in FAST:
+            sol = get_solver(name).solve(problem, time_limit=30)
+            assert_scored(problem, sol)
+            assert best.objective - TOL <= sol.objective
+            assert sol.lower_bound <= best.objective + TOL
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_too_small_budget_names_the_smallest_feasible_one(name: str) -> None:
+    problem = random_problem(300, inf_fraction=0.1, memory=True)
+    problem.memory_budget = 1e30
+    least = _least_memory(problem)
+    problem.memory_budget = 0.5 * least
+    with pytest.raises(InfeasibleProblem, match=r"smallest feasible budget [0-9.]+ GiB \((\d+) bytes\)") as info:
+        get_solver(name).solve(problem)
+    assert float(re.search(r"\((\d+) bytes\)", str(info.value)).group(1)) == least
+
+
+# --- time limits, certificates, auto -------------------------------------------
+
+
+def chain_problem(n: int = 400, k: int = 12, seed: int = 9) -> Problem:
+    rng = np.random.default_rng(seed)
+    edges = np.array([(v - 1 - int(rng.integers(0, min(v, 4))), v) for v in range(1, n)])
+    return Problem(
+        node_names=[f"op{i}" for i in range(n)],
+        strategy_labels=[[str(j) for j in range(k)]] * n,
+        unary=[rng.uniform(0, 100, size=k) for _ in range(n)],
+        edges=edges,
+        pairwise=[rng.uniform(0, 50, size=(k, k)) for _ in edges],
+    )
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_time_limit_returns_a_plan_with_its_gap(name: str) -> None:
+    problem = chain_problem()
+    sol = get_solver(name, presolve=False).solve(problem, time_limit=1e-3)
+    assert_scored(problem, sol)
+    assert sol.status in ("time_limit", "optimal", "feasible")
+    assert np.isfinite(sol.lower_bound)
+    assert sol.seconds < 30
+
+
+def test_approx_reports_time_limit_when_cut_short() -> None:
+    sol = ApproxSolver(gap=0.0, full_presolve=False).solve(chain_problem(), time_limit=1e-4)
+    assert sol.status == "time_limit"
+    assert sol.lower_bound < sol.objective
+
+
+def test_ilp_without_incumbent_falls_back_to_approx(monkeypatch, caplog) -> None:
+    problem = chain_problem(60, 5)
+    monkeypatch.setattr(HighsILPSolver, "_run", lambda self, model, limit: _Run("no_solution"))
+    with caplog.at_level(logging.WARNING, logger="torchtitan_autoparallel.planner"):
+        sol = HighsILPSolver().solve(problem, time_limit=1.0)
+    assert "taking the approximate solver's" in caplog.text
+    assert_scored(problem, sol)
+    assert sol.status in ("time_limit", "optimal")
+    assert sol.solver == "ilp-highs"
+
+
+def test_optimality_check_tightens_the_bound(caplog) -> None:
+    problem = random_problem(1003, num_nodes=(8, 9), inf_fraction=0.0)
+    plain = ApproxSolver(gap=0.5).solve(problem)  # stops early: a loose own bound
+    with caplog.at_level(logging.INFO, logger="torchtitan_autoparallel.planner"):
+        checked = get_solver("approx", optimality_check=True).solve(problem)
+    value = lp_bound(problem, None)
+    assert "certified gap" in caplog.text or checked.status == "optimal"
+    assert checked.lower_bound >= min(value, checked.objective) - TOL
+    assert checked.lower_bound >= plain.lower_bound - TOL or checked.objective < plain.objective
+    assert checked.lower_bound <= BruteForceSolver().solve(problem).objective + TOL
+
+
+def test_auto_picks_by_size_and_says_why(monkeypatch, caplog) -> None:
+    problem = random_problem(7)
+    with caplog.at_level(logging.INFO, logger="torchtitan_autoparallel.planner"):
+        small = get_solver("auto").solve(problem)
+        monkeypatch.setattr(auto_module, "EXACT_MAX_ENTRIES", 0)
+        large = get_solver("auto").solve(problem)
+    assert small.solver.startswith("auto:ilp") and large.solver.startswith("auto:approx")
+    assert re.search(r"auto solver: ilp \(\d+ pairwise entries <= ", caplog.text)
+    assert re.search(r"auto solver: approx \(\d+ pairwise entries > 0", caplog.text)
+
+
+def test_registry_and_config_name_the_solvers() -> None:
+    assert get_solver("lp").name == "lp-highs"
+    assert get_solver("approx").name == "approx-trws"
+    with pytest.raises(ValueError, match="accepted: approx, auto, brute-force, ilp, lp"):
+        get_solver("greedy")
+    for name in ("ilp", "lp", "approx", "auto"):
+        assert load_config(["--autoparallel.solver", name]).autoparallel.solver == name
+    with pytest.raises(ConfigError) as info:
+        load_config(["--autoparallel.solver", "trws"])
+    message = str(info.value)
+    assert "\n" not in message
+    assert "autoparallel.solver = 'trws' is not accepted; accepted: ilp, lp, approx, auto" in message
+
+
+def test_cache_key_covers_the_optimality_check() -> None:
+    from torchtitan_autoparallel.train.auto import _cache_settings
+
+    on = _cache_settings(load_config(["--autoparallel.optimality_check", "true"]))
+    off = _cache_settings(load_config([]))
+    assert on != off
+
+
+# --- the debug model's real problem ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def debug_stages(fake_world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_autoparallel.models.registry import build_meta_model
+    from torchtitan_autoparallel.planner.api import plan_stages
+    from torchtitan_autoparallel.planner.profiles import load_profile
+
+    model = build_meta_model("llama3", "debugmodel", n_layers=3)
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_shard", "tp"))
+    return plan_stages(
+        model, mesh, global_batch_size=8, seq_len=256, profile=load_profile("h100"),
+        solver="approx", optimality_check=True,
+    )
+
+
+def test_plan_stages_runs_approx_with_the_optimality_check(debug_stages) -> None:
+    plan, problem = debug_stages.plan, debug_stages.built.problem
+    exact = get_solver("ilp").solve(problem, 120)
+    assert plan.solver == "approx-trws"
+    assert plan.objective == pytest.approx(problem.energy(debug_stages.solution.assignment))
+    assert plan.lower_bound <= exact.objective + TOL * exact.objective
+    assert plan.objective >= exact.objective - TOL * exact.objective
+    # the LP bound of this problem is tight: the certificate proves (near) optimality
+    assert plan.objective - plan.lower_bound <= 2e-3 * plan.objective
+
+
+@pytest.mark.parametrize("looseness", [1.0, 4.0])
+def test_debug_model_lp_ilp_approx_order(debug_stages, looseness: float) -> None:
+    problem = debug_stages.built.problem
+    problem = Problem(**{**vars(problem), "memory_budget": problem.memory_budget * looseness})
+    exact = get_solver("ilp").solve(problem, 120)
+    assert exact.status == "optimal"
+    lp = solve_lp(problem, 120)
+    assert lp.value <= exact.objective * (1 + 1e-7)
+    for name in FAST:
+        sol = get_solver(name).solve(problem, 120)
+        assert_scored(problem, sol)
+        assert sol.objective >= exact.objective * (1 - 1e-9)
+        assert sol.lower_bound <= exact.objective * (1 + 1e-7)
+        if name == "lp" and lp.integral:
+            assert sol.objective == pytest.approx(exact.objective, rel=1e-9)
+        assert sol.objective <= exact.objective * (1 + 1e-3)  # within the default gap

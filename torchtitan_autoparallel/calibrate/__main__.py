@@ -1,0 +1,172 @@
+"""``python -m torchtitan_autoparallel.calibrate``: measure this cluster, save a cost profile.
+
+Launch it like training, one process per device, so it measures the links
+training will use:
+
+    CALIBRATE=1 NGPU=4 ./run_train.sh --out profile.json
+    python -m torch.distributed.run --standalone --nproc-per-node 4 -m torchtitan_autoparallel.calibrate --out profile.json
+
+then plan with ``--autoparallel.cost_profile profile.json``. Beside the
+profile, ``<out>.samples.json`` keeps every timing and the fits' residuals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from torchtitan_autoparallel.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise UserError(f"{message}; accepted: see python -m torchtitan_autoparallel.calibrate --help")
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every size must be >= 1")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m torchtitan_autoparallel.calibrate", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="calibrated_profile.json", help="where to write the profile JSON")
+    p.add_argument("--name", default="calibrated", help="the profile's name")
+    p.add_argument("--base", default="auto", help="profile whose unmeasured fields are kept (default: the device's)")
+    p.add_argument("--mesh-shape", default="", help="e.g. 2x4 (default: nodes x devices per node)")
+    p.add_argument("--matmul-sizes", type=_sizes, help="n of the n x n matmuls, comma-separated")
+    p.add_argument("--copy-kib", type=_sizes, help="copy sizes in KiB")
+    p.add_argument("--message-kib", type=_sizes, help="collective sizes in KiB (the full buffer)")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement")
+    return p
+
+
+def _settings(args: argparse.Namespace, device_type: str):
+    from torchtitan_autoparallel.calibrate.measure import KIB, default_settings
+
+    s = default_settings(device_type)
+    if args.repeats is not None and args.repeats < 1:
+        raise UserError(f"--repeats {args.repeats}; accepted: an integer >= 1")
+    return replace(
+        s,
+        matmul_sizes=args.matmul_sizes or s.matmul_sizes,
+        copy_bytes=tuple(k * KIB for k in args.copy_kib) if args.copy_kib else s.copy_bytes,
+        message_bytes=tuple(k * KIB for k in args.message_kib) if args.message_kib else s.message_bytes,
+        repeats=args.repeats or s.repeats,
+    )
+
+
+def _mesh_shape(text: str, world: int, local: int) -> tuple[int, ...]:
+    from torchtitan_autoparallel.calibrate.measure import check_mesh_shape
+
+    if text:
+        try:
+            shape = tuple(int(v) for v in text.lower().split("x"))
+        except ValueError:
+            raise UserError(f"--mesh-shape {text!r}; accepted: sizes joined by 'x', e.g. 2x4") from None
+    else:
+        shape = (world // local, local) if world > local and world % local == 0 else (world,)
+    check_mesh_shape(shape, world)
+    return shape
+
+
+def _base_profile(name: str, device_type: str):
+    from torchtitan_autoparallel.planner.profiles import default_profile_name, load_profile
+
+    try:
+        return load_profile(default_profile_name(device_type, False) if name == "auto" else name)
+    except ValueError as e:
+        raise UserError(f"--base: {e}") from None
+
+
+def calibrate(args: argparse.Namespace, runtime) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_autoparallel.calibrate import measure
+
+    settings = _settings(args, runtime.device_type)
+    base = _base_profile(args.base, runtime.device_type)
+    world = runtime.world_size
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    shape = _mesh_shape(args.mesh_shape, world, local)
+    # One node: every mesh dim is intra-node, whatever size a later plan's mesh has.
+    devices_per_node = local if world > local else max(local, base.devices_per_node)
+    show = runtime.rank == 0
+    measure.note(f"{world} rank(s) on {runtime.device_type}, mesh {'x'.join(map(str, shape))}, "
+                 f"{settings.repeats} repeats per measurement", show)
+    progress = measure.Progress(settings.steps + measure.comm_steps(shape, settings), show)
+    compute = measure.measure_compute(settings, runtime.device, progress)
+    comm = []
+    if world > 1:
+        names = tuple(f"dim{i}" for i in range(len(shape)))
+        mesh = init_device_mesh(runtime.device_type, shape, mesh_dim_names=names)
+        comm = measure.measure_comm(mesh, settings, runtime.device, progress)
+    if show:
+        _fit_and_save(args, base, compute, comm, shape, devices_per_node)
+    dist.barrier()
+
+
+def _fit_and_save(args, base, compute, comm, shape, devices_per_node) -> None:
+    from torchtitan_autoparallel.calibrate.fit import build_profile, fit_compute, fit_link
+    from torchtitan_autoparallel.calibrate.measure import intra_node_dims, note
+
+    intra_dims = intra_node_dims(shape, devices_per_node)
+    intra = [s for s in comm if intra_dims[s.mesh_dim]]
+    inter = [s for s in comm if not intra_dims[s.mesh_dim]]
+    compute_fit = fit_compute(compute)
+    intra_fit = fit_link(intra) if intra else None
+    inter_fit = fit_link(inter) if inter else None
+    profile = build_profile(args.name, base, compute_fit, intra_fit, inter_fit, devices_per_node)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile.to_json(out)
+    kept = [k for k, fit in (("intra_node", intra_fit), ("inter_node", inter_fit)) if fit is None]
+    sidecar = {
+        "profile": profile.to_dict(),
+        "mesh_shape": list(shape),
+        "fit_rel_rms": {"compute": compute_fit.rel_rms, "intra_node": intra_fit and intra_fit.rel_rms,
+                        "inter_node": inter_fit and inter_fit.rel_rms},
+        "kept_from_base": {"profile": base.name, "fields": kept},
+        "compute_samples": [asdict(s) for s in compute],
+        "comm_samples": [asdict(s) for s in comm],
+    }
+    out.with_suffix(".samples.json").write_text(json.dumps(sidecar, indent=1) + "\n")
+    peaks = ", ".join(f"{d} {v:.4g}" for d, v in profile.peak_tflops.items())
+    note(f"compute: {peaks} TFLOP/s; memory {profile.mem_bandwidth_GBps:.4g} GB/s; "
+         f"launch {profile.kernel_overhead_us:.3g} us (fit error {100 * compute_fit.rel_rms:.1f}% rms)", True)
+    for label, fit in (("intra-node", intra_fit), ("inter-node", inter_fit)):
+        if fit is not None:
+            note(f"{label} link: latency {fit.link.latency_us:.3g} us, bandwidth {fit.link.bandwidth_GBps:.4g} GB/s "
+                 f"(fit error {100 * fit.rel_rms:.1f}% rms)", True)
+    if kept:
+        note(f"not measured here, kept from profile {base.name!r}: {', '.join(kept)}", True)
+    note(f"profile written to {out}; use it with --autoparallel.cost_profile {out}", True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torchtitan_autoparallel.calibrate.fit import FitError
+    from torchtitan_autoparallel.distributed.runtime import init_runtime, shutdown
+
+    try:
+        args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+        calibrate(args, init_runtime())
+        return 0
+    except (UserError, FitError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Least-squares fits of the cost model's parameters to measured timings.
+
+The cost model (``planner/cost_model.py``) is linear in the reciprocals of
+its rates, so each fit is one weighted linear least-squares problem:
+
+* compute: ``us = flops / F_dtype + overhead`` for matmuls and
+  ``us = bytes / M + overhead`` for copies, one shared launch overhead;
+* one link: ``us = k * ((n-1) * latency + (n-1)/n * bytes / B)`` with k = 2
+  for all_reduce and 1 for all_gather, reduce_scatter and all_to_all.
+
+Rows are divided by the measured time, so the fit minimises relative error:
+a 20 us latency-bound message counts as much as a 20 ms bandwidth-bound one.
+A calibrated profile folds the efficiency into the peak: ``peak_tflops`` is
+the throughput reached and ``compute_efficiency`` is 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from torchtitan_autoparallel.planner.cost_model import COLLECTIVES
+from torchtitan_autoparallel.planner.profiles import PEAK_DTYPES, HardwareProfile, Link
+
+
+class FitError(ValueError):
+    """The timings cannot determine a parameter (too few or inconsistent samples)."""
+
+
+@dataclass(frozen=True)
+class ComputeSample:
+    op: str  # "matmul" or "copy"
+    dtype: str  # one of PEAK_DTYPES
+    flops: float
+    bytes: float  # bytes read + written
+    us: float
+
+
+@dataclass(frozen=True)
+class CommSample:
+    kind: str  # one of COLLECTIVES
+    mesh_dim: int
+    group_size: int
+    bytes: float  # as the cost model counts them: full buffer, or the local shard for all_to_all
+    us: float
+
+
+@dataclass(frozen=True)
+class ComputeFit:
+    tflops: dict[str, float]  # reached throughput per dtype
+    mem_bandwidth_GBps: float
+    kernel_overhead_us: float
+    rel_rms: float  # root-mean-square relative residual
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    link: Link
+    rel_rms: float
+
+
+def _solve(rows: np.ndarray, us: np.ndarray) -> tuple[np.ndarray, float]:
+    """Relative-error least squares; returns the coefficients and the RMS relative residual."""
+    weights = 1.0 / us
+    a, b = rows * weights[:, None], us * weights
+    coef, *_ = np.linalg.lstsq(a, b, rcond=None)
+    residual = a @ coef - b
+    return coef, float(np.sqrt(np.mean(residual**2)))
+
+
+def fit_compute(samples: list[ComputeSample]) -> ComputeFit:
+    dtypes = sorted({s.dtype for s in samples if s.op == "matmul"}, key=PEAK_DTYPES.index)
+    if not dtypes or not any(s.op == "copy" for s in samples):
+        raise FitError("compute fit needs matmul timings and copy timings")
+    col = {d: i for i, d in enumerate(dtypes)}
+    mem, overhead = len(dtypes), len(dtypes) + 1
+    rows = np.zeros((len(samples), len(dtypes) + 2))
+    for r, s in enumerate(samples):
+        if s.op == "matmul":
+            rows[r, col[s.dtype]] = s.flops
+        else:
+            rows[r, mem] = s.bytes
+        rows[r, overhead] = 1.0
+    coef, rms = _solve(rows, np.array([s.us for s in samples]))
+    bad = [d for d in dtypes if coef[col[d]] <= 0] + (["memory bandwidth"] if coef[mem] <= 0 else [])
+    if bad:
+        raise FitError(f"timings do not grow with work for {', '.join(bad)}; use larger sizes or more repeats")
+    return ComputeFit(
+        tflops={d: 1.0 / coef[col[d]] / 1e6 for d in dtypes},  # flops/us -> TFLOP/s
+        mem_bandwidth_GBps=1.0 / coef[mem] / 1e3,  # bytes/us -> GB/s
+        kernel_overhead_us=max(0.0, float(coef[overhead])),
+        rel_rms=rms,
+    )
+
+
+def fit_link(samples: list[CommSample]) -> LinkFit:
+    """One (latency, bandwidth) pair for collectives of every kind over the given groups."""
+    if len({(s.group_size, s.bytes) for s in samples}) < 2:
+        raise FitError("a link fit needs at least two distinct message sizes")
+    rows = np.zeros((len(samples), 2))
+    for r, s in enumerate(samples):
+        if s.kind not in COLLECTIVES:
+            raise FitError(f"unknown collective {s.kind!r}; accepted: {', '.join(COLLECTIVES)}")
+        k = 2.0 if s.kind == "all_reduce" else 1.0
+        n = s.group_size
+        rows[r] = (k * (n - 1), k * (n - 1) / n * s.bytes)
+    coef, rms = _solve(rows, np.array([s.us for s in samples]))
+    if coef[1] <= 0:
+        raise FitError("collective timings do not grow with message size; use larger messages")
+    # A latency fitted below zero is noise around a small true value.
+    return LinkFit(Link(latency_us=max(0.0, float(coef[0])), bandwidth_GBps=1.0 / coef[1] / 1e3), rms)
+
+
+def build_profile(
+    name: str,
+    base: HardwareProfile,
+    compute: ComputeFit,
+    intra: LinkFit | None,
+    inter: LinkFit | None,
+    devices_per_node: int,
+) -> HardwareProfile:
+    """``base`` with every measured parameter replaced; what was not measured keeps base's value.
+
+    A dtype not measured keeps base's peak scaled by the measured fp32 ratio,
+    so the dtypes stay in base's proportions.
+    """
+    # Reached / base peak; without an fp32 timing, base's own efficiency (the profile's is now 1).
+    if "float32" in compute.tflops:
+        scale = compute.tflops["float32"] / base.peak_tflops["float32"]
+    else:
+        scale = base.compute_efficiency
+    peaks = {d: compute.tflops.get(d, base.peak_tflops[d] * scale) for d in PEAK_DTYPES}
+    return replace(
+        base,
+        name=name,
+        peak_tflops=peaks,
+        compute_efficiency=1.0,
+        mem_bandwidth_GBps=compute.mem_bandwidth_GBps,
+        kernel_overhead_us=compute.kernel_overhead_us,
+        intra_node=intra.link if intra else base.intra_node,
+        inter_node=inter.link if inter else base.inter_node,
+        devices_per_node=devices_per_node,
+    )

@@ -1,0 +1,128 @@
+"""Predicted peak activation memory per device of a planned training step.
+
+An estimate from the traced graph alone, walked once in graph order with the
+chosen placements:
+
+* each op's outputs are allocated when it runs, at their local (per-device)
+  size, and freed after their last consumer; views and ``getitem`` alias
+  what they look into, and keep it alive;
+* an input the op needs in another placement than its producer gave is a
+  transient buffer, alive only while that op runs (an FSDP weight gather);
+* each parameter gradient, once produced, is kept until the end of the step
+  at its parameter's placement (the reduced gradient the optimizer reads);
+  the unreduced gradient dies after its last use like any activation;
+* parameters, buffers, the input batch and the optimizer state are not
+  counted (``param_bytes_per_device`` covers the parameters); nor are the
+  allocator's fragmentation or kernel workspaces.
+
+So the figure is what the planned program itself keeps live at its worst
+moment, which is what changes between two plans of one model.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping
+
+from torch import fx
+
+from torchtitan_autoparallel.planner.build import GRAD_EDGE, EdgeInfo
+from torchtitan_autoparallel.planner.placement import local_shape
+from torchtitan_autoparallel.planner.rules import VIEW_OPS
+from torchtitan_autoparallel.planner.strategy import Strategy
+from torchtitan_autoparallel.planner.trace import TracedStep
+
+
+def _local_bytes(val, placements, mesh_sizes: tuple[int, ...]) -> float:
+    shape = tuple(val.shape) if placements is None else local_shape(val.shape, placements, mesh_sizes)
+    return float(math.prod(shape) * val.dtype.itemsize)
+
+
+def _output_bytes(node: fx.Node, strategy: Strategy | None, mesh_sizes: tuple[int, ...]) -> float:
+    val = node.meta.get("val")
+    vals = list(val) if isinstance(val, (tuple, list)) else [val]
+    outs = strategy.outputs if strategy is not None else (None,) * len(vals)
+    return sum(
+        _local_bytes(v, p, mesh_sizes) for v, p in zip(vals, outs) if v is not None and hasattr(v, "dtype")
+    )
+
+
+def _is_alias(node: fx.Node) -> bool:
+    return node.op == "call_function" and (node.target in VIEW_OPS or node.target is operator.getitem)
+
+
+def peak_activation_bytes(
+    traced: TracedStep,
+    chosen: Mapping[fx.Node, Strategy],
+    edge_parts: list[list[EdgeInfo]],
+    mesh_sizes: tuple[int, ...],
+) -> float:
+    """Largest per-device total of live step-produced tensors (see the module docstring)."""
+    order = list(traced.graph.graph.nodes)
+    position = {n: i for i, n in enumerate(order)}
+    root: dict[fx.Node, fx.Node] = {}  # alias -> the allocation it shows
+    size: dict[fx.Node, float] = {}  # allocation -> bytes
+    last_use: dict[fx.Node, int] = {}
+    for i, node in enumerate(order):
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if _is_alias(node) and isinstance(node.args[0], fx.Node):
+            root[node] = root.get(node.args[0], node.args[0])
+        else:
+            root[node] = node
+            size[node] = _output_bytes(node, chosen.get(node), mesh_sizes)
+            last_use[node] = i
+        for arg in node.all_input_nodes:
+            if arg in root:
+                owner = root[arg]
+                last_use[owner] = max(last_use.get(owner, i), i)
+    transient = _transient_bytes(chosen, edge_parts, mesh_sizes, position)
+    kept = _gradient_bytes(traced, chosen, mesh_sizes, position)
+    frees: dict[int, float] = {}
+    for owner, nbytes in size.items():
+        frees[last_use[owner]] = frees.get(last_use[owner], 0.0) + nbytes
+    live = peak = 0.0
+    for i, node in enumerate(order):
+        live += size.get(node, 0.0) + kept.get(i, 0.0)
+        peak = max(peak, live + transient.get(i, 0.0))
+        live -= frees.get(i, 0.0)
+    return peak
+
+
+def _transient_bytes(
+    chosen: Mapping[fx.Node, Strategy],
+    edge_parts: list[list[EdgeInfo]],
+    mesh_sizes: tuple[int, ...],
+    position: dict[fx.Node, int],
+) -> dict[int, float]:
+    """Graph position -> bytes of the inputs redistributed for the op there."""
+    out: dict[int, float] = {}
+    for parts in edge_parts:
+        for part in parts:
+            if part.arg_index == GRAD_EDGE or part.consumer not in chosen or part.producer not in chosen:
+                continue
+            src = chosen[part.producer].outputs[part.output_index]
+            dst = chosen[part.consumer].inputs[part.arg_index]
+            if dst is None or src == dst:
+                continue
+            nbytes = math.prod(local_shape(part.shape, dst, mesh_sizes)) * part.dtype.itemsize
+            at = position[part.consumer]
+            out[at] = out.get(at, 0.0) + float(nbytes)
+    return out
+
+
+def _gradient_bytes(
+    traced: TracedStep,
+    chosen: Mapping[fx.Node, Strategy],
+    mesh_sizes: tuple[int, ...],
+    position: dict[fx.Node, int],
+) -> dict[int, float]:
+    """Graph position -> bytes of reduced gradients that start living there."""
+    out: dict[int, float] = {}
+    for fqn, grad in traced.grads.items():
+        param = traced.params[fqn]
+        placements = chosen[param].outputs[0] if param in chosen else None
+        at = position[grad]
+        out[at] = out.get(at, 0.0) + _local_bytes(grad.meta["val"], placements, mesh_sizes)
+    return out

@@ -1,0 +1,119 @@
+"""Activation checkpointing inside the traced step: the recomputation becomes graph nodes.
+
+While ``trace.py`` traces the joint step, each transformer block (a child of
+``model.layers``, the unit torchtitan's ``apply_ac`` wraps) runs under
+``torch.utils.checkpoint`` (non-reentrant). The backward then re-runs the
+block's forward to rebuild what it did not save, and ``make_fx`` records that
+re-run as ordinary nodes placed before the block's gradient ops. So the plan
+prices the recomputation like any other op, the executor runs it like any
+other op, and the forward activations die at their last forward use instead
+of living until the backward.
+
+Modes (``activation_checkpoint.mode``):
+
+* ``full``: a block saves only its inputs; all of it is recomputed.
+* ``selective``: torchtitan's per-op policy: the outputs of compute-heavy ops
+  (matmuls, attention) are saved, except every second matmul; the rest is
+  recomputed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+AC_MODES = ("none", "full", "selective")
+
+_MM_OPS = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
+
+
+@functools.cache
+def _save_ops() -> frozenset:
+    """Ops whose outputs selective AC keeps: those expensive to recompute."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    ops = {op.default for op in get_default_op_list().compute_intensive_ops}
+    # The trace always runs on CPU fake tensors, whose SDPA kernel is not in the
+    # partitioner's list; a GPU run's flash kernel is, so keep it to plan what a
+    # GPU run of torchtitan's policy would save.
+    ops.add(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+    ops.add(torch.ops.aten.linear.default)  # some backends keep linear whole instead of mm
+    return frozenset(ops)
+
+
+def _selective_policy():
+    """A fresh policy for one block call: save heavy ops but recompute every second matmul.
+
+    Forward and recompute count matmuls separately, so both passes make the
+    same choice for the same matmul (the recompute must find what the forward saved).
+    """
+    save = _save_ops()
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in _MM_OPS:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _checkpointed(forward, mode: str):
+    def run(*args, **kwargs):
+        extra = {}
+        if mode == "selective":
+            extra["context_fn"] = lambda: create_selective_checkpoint_contexts(_selective_policy())
+        # No RNG state to keep: the traced models have no dropout, and the
+        # trace's fake tensors draw no random numbers.
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
+
+    return functools.wraps(forward)(run)
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules torchtitan's activation checkpointing wraps: the children of ``model.layers``."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.Module) or not list(layers.children()):
+        raise ValueError(
+            f"activation checkpointing needs transformer blocks under model.layers; "
+            f"{type(model).__name__} has none"
+        )
+    return list(layers.children())
+
+
+@contextmanager
+def checkpointed_blocks(model: nn.Module, mode: str) -> Iterator[None]:
+    """Run every transformer block of ``model`` under activation checkpointing ``mode``.
+
+    Only the blocks' ``forward`` is swapped (an instance attribute, removed on
+    exit), so parameter names stay those of the plain model. The recompute
+    runs during the backward, so the caller must keep any reparametrization
+    (``functional_call``) open until the gradients are taken.
+    """
+    if mode not in AC_MODES:
+        raise ValueError(f"activation checkpointing mode {mode!r} is not accepted; accepted: {', '.join(AC_MODES)}")
+    if mode == "none":
+        yield
+        return
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        if "forward" in block.__dict__:
+            raise RuntimeError(f"{type(block).__name__}.forward is already overridden on the instance")
+        block.forward = _checkpointed(block.forward, mode)
+    try:
+        # Under a proxy mode selective checkpointing assumes torch.compile and
+        # only tags nodes for a partitioner, recomputing nothing; this flag
+        # says the trace is make_fx of a whole training step, so it saves and
+        # recomputes for real and the graph shows it.
+        with torch.compiler._non_strict_tracing_context():
+            yield
+    finally:
+        for block in blocks:
+            del block.forward

@@ -1,0 +1,211 @@
+"""The approximate solver: TRW-S, then local search, with a certified lower bound.
+
+1. Reduce exactly: tie groups always collapse (repeated layers cost one); the
+   full presolve (eliminations, dominance) runs too when labels are few, where
+   it is cheap; on 3-D meshes (hundreds of labels per node) its min-plus
+   products cost more than the whole approximate solve, so it is skipped.
+2. TRW-S (``trws``) gives a labeling and a lower bound; local search
+   (``local_search``) polishes the labeling.
+3. A memory budget that binds is relaxed with a Lagrange multiplier: the
+   unary becomes ``theta_v + lam * memory_v``. Bisection on ``lam`` finds the
+   smallest price at which TRW-S's plan fits; every plan met on the way is
+   repaired and polished under the budget, and the best that fits is kept. For
+   any ``lam >= 0`` the TRW-S bound of the priced energy minus ``lam * budget``
+   bounds the constrained optimum from below, so the best such figure is the
+   certificate.
+
+The result never breaks the budget: if no plan fits, an exact search (the ILP
+of ``ilp_model``) either finds one or raises ``InfeasibleProblem`` naming the
+smallest feasible budget, as the ILP solver does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
+from torchtitan_autoparallel.planner.solvers.local_search import polish
+from torchtitan_autoparallel.planner.solvers.mrf import Mrf, NoLabels, build_mrf
+from torchtitan_autoparallel.planner.solvers.presolve import presolve
+from torchtitan_autoparallel.planner.solvers.trws import GAP_RTOL, OPTIMAL_RTOL, Trws
+
+LOG = logging.getLogger("torchtitan_autoparallel.planner")
+FULL_PRESOLVE_MAX_LABELS = 64  # above this the exact presolve costs more than it saves
+LAMBDA_STEPS = 12  # bisection steps on the memory price
+LAMBDA_RATIO = 1.01  # stop bisecting once the bracket is this tight
+LAMBDA_GROWTH = 10.0  # price multiplier while searching for one at which plans fit
+LAMBDA_TRIES = 10
+
+
+@dataclass
+class _Outcome:
+    labels: np.ndarray | None  # best compact labeling that fits (None: none found)
+    bound: float  # lower bound on the optimum of the Mrf
+    timed_out: bool
+
+
+@dataclass
+class _Reduced:
+    problem: Problem  # tie-free
+    expand: Callable[[np.ndarray], np.ndarray]  # its plan -> the original plan
+    offset: float  # energy the reduction took out
+
+
+class ApproxSolver:
+    def __init__(
+        self,
+        name: str = "approx-trws",
+        full_presolve: bool | None = None,
+        exact_fallback: bool = True,
+        gap: float = GAP_RTOL,
+    ) -> None:
+        self.name = name
+        self.gap = gap  # stop once the plan is proven this close (relative) to the optimum
+        self.full_presolve = full_presolve  # None: decide by label count
+        self.exact_fallback = exact_fallback  # False when the exact solver is the one asking
+
+    def solve(self, problem: Problem, time_limit: float | None = None) -> Solution:
+        start = time.perf_counter()
+        deadline = None if time_limit is None else start + time_limit
+        if problem.num_nodes == 0:
+            return Solution(np.zeros(0, np.int64), 0.0, 0.0, self.name, "optimal", 0.0)
+        try:
+            reduced = self._reduce(problem)
+            mrf = build_mrf(reduced.problem)
+        except (NoLabels, InfeasibleProblem):
+            return self._exact(problem, start, time_limit, "no usable label left for some node")
+        LOG.info(
+            "%s: %d nodes, %d edges, up to %d labels, memory %s",
+            self.name, mrf.num_nodes, len(mrf.edges), int(mrf.k.max(initial=0)),
+            "binding" if mrf.memory is not None else "free",
+        )
+        outcome = _optimise(mrf, deadline, self.gap)
+        if outcome.labels is None:
+            return self._exact(problem, start, time_limit, "no plan found that fits")
+        assignment = reduced.expand(mrf.expand(outcome.labels))
+        objective = problem.energy(assignment)
+        if not problem.is_feasible(assignment):
+            raise RuntimeError(f"{self.name}: the plan violates the problem's constraints")
+        lower = min(objective, outcome.bound + reduced.offset)
+        status = _status(objective, lower, outcome.timed_out)
+        seconds = time.perf_counter() - start
+        LOG.info(
+            "%s: %s, objective %.6g us, bound %.6g us, %.2f s",
+            self.name, status, objective, lower, seconds,
+        )
+        return Solution(assignment, objective, lower, self.name, status, seconds)
+
+    def _reduce(self, problem: Problem) -> _Reduced:
+        collapsed, group_of = collapse_ties(problem)
+        full = self.full_presolve
+        if full is None:
+            full = int(collapsed.num_strategies.max(initial=0)) <= FULL_PRESOLVE_MAX_LABELS
+        if not full:
+            return _Reduced(collapsed, lambda x: x[group_of], 0.0)
+        pre = presolve(problem)
+        return _Reduced(pre.reduced, pre.expand, pre.offset)
+
+    def _exact(
+        self, problem: Problem, start: float, time_limit: float | None, why: str
+    ) -> Solution:
+        """The ILP settles what local methods could not: infeasible (naming the
+        smallest budget) or a plan after all."""
+        from torchtitan_autoparallel.planner.solvers.ilp import HighsILPSolver, SolverTimeout
+        from torchtitan_autoparallel.planner.solvers.presolve import PresolvingSolver
+
+        if not self.exact_fallback:
+            raise SolverTimeout(f"no feasible plan found in time (approximate solver: {why})")
+        LOG.warning("%s: %s; asking the exact ILP", self.name, why)
+        left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 1.0)
+        sol = PresolvingSolver(HighsILPSolver(highs_presolve=False)).solve(problem, left)
+        seconds = time.perf_counter() - start
+        return Solution(sol.assignment, sol.objective, sol.lower_bound, self.name, sol.status, seconds)
+
+
+def _status(objective: float, lower: float, timed_out: bool) -> str:
+    if objective - lower <= OPTIMAL_RTOL * max(abs(objective), 1.0):
+        return "optimal"
+    return "time_limit" if timed_out else "feasible"
+
+
+def _optimise(mrf: Mrf, deadline: float | None, gap: float) -> _Outcome:
+    trws = Trws(mrf)
+    if mrf.memory is None:
+        # cheap single-node moves on the way, block moves too at the end
+        improve = lambda x, final: polish(mrf, x, deadline, blocks=final)  # noqa: E731
+        run = trws.run(mrf.unary, deadline, improve=improve, gap=gap)
+        x = run.labels
+        return _Outcome(x if mrf.feasible(x) else None, run.bound, run.timed_out)
+    return _Lagrangian(mrf, trws, deadline, gap).search()
+
+
+class _Lagrangian:
+    """Bisection on the memory price ``lam``, keeping the best plan that fits."""
+
+    def __init__(self, mrf: Mrf, trws: Trws, deadline: float | None, gap: float) -> None:
+        self.mrf, self.trws, self.deadline, self.gap = mrf, trws, deadline, gap
+        self.best: np.ndarray | None = None
+        self.best_energy = math.inf
+        self.bound = -math.inf
+        self.timed_out = False
+
+    def search(self) -> _Outcome:
+        fits, energy, used = self._attempt(0.0)
+        if not fits:
+            bracket = self._bracket(energy, used)
+            if bracket is not None:
+                self._bisect(*bracket)
+        return _Outcome(self.best, self.bound, self.timed_out)
+
+    def _bracket(self, energy: float, used: float) -> tuple[float, float] | None:
+        """Prices (too low, high enough) for TRW-S's plan to fit, a factor apart."""
+        # the unpriced plan's energy spread over its excess bytes: the order of
+        # magnitude at which memory starts to matter
+        lam = max(abs(energy), 1.0) / max(used - self.mrf.budget, 1.0)
+        for _ in range(LAMBDA_TRIES):
+            if self._late():
+                return None
+            if self._attempt(lam)[0]:
+                return lam / LAMBDA_GROWTH, lam
+            lam *= LAMBDA_GROWTH
+        return None
+
+    def _bisect(self, lo: float, hi: float) -> None:
+        for _ in range(LAMBDA_STEPS):
+            if hi <= lo * LAMBDA_RATIO or self._late():
+                return
+            mid = math.sqrt(lo * hi)
+            if self._attempt(mid)[0]:
+                hi = mid
+            else:
+                lo = mid
+
+    def _attempt(self, lam: float) -> tuple[bool, float, float]:
+        """TRW-S at price ``lam``; returns whether its plan fits, its energy and memory."""
+        mrf = self.mrf
+        priced = [u + lam * m for u, m in zip(mrf.unary, mrf.memory)]
+        run = self.trws.run(priced, self.deadline, gap=self.gap)
+        self.timed_out |= run.timed_out
+        self.bound = max(self.bound, run.bound - lam * mrf.budget)
+        x = run.labels
+        energy, used = mrf.energy(x), mrf.memory_used(x)
+        polished = polish(mrf, x, self.deadline, lam)
+        if mrf.feasible(polished):
+            e = mrf.energy(polished)
+            if e < self.best_energy:
+                self.best, self.best_energy = polished, e
+        LOG.debug("lagrangian: lam %.3g, plan %.6g us, %.4g bytes", lam, energy, used)
+        return used <= mrf.budget and energy < mrf.big, energy, used
+
+    def _late(self) -> bool:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            self.timed_out = True
+        return self.timed_out

@@ -1,0 +1,245 @@
+"""Local search on an ``Mrf`` labeling: moves that only ever lower the energy.
+
+* single-node moves (ICM), a colour class at a time: nodes of one class share
+  no edge, so their moves are independent and are applied together;
+* star-block moves: a node with a set of its neighbours that share no edge
+  among themselves is a star, a tree, so its best joint relabeling (everything
+  else fixed) is exact by one min-sum pass;
+* under a memory budget a move is taken only if the plan still fits, and an
+  over-budget labeling is first repaired by the cheapest memory-saving moves.
+
+``LocalState`` keeps every node's cost of each of its labels given its
+neighbours' current labels, updated incrementally as nodes move.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from torchtitan_autoparallel.planner.solvers.mrf import Mrf
+
+GAIN_RTOL = 1e-12  # a move must gain more than this (relative) to count
+
+
+class LocalState:
+    def __init__(self, mrf: Mrf, x: np.ndarray) -> None:
+        self.mrf = mrf
+        n, k = mrf.num_nodes, mrf.k
+        width = int(k.max(initial=1))
+        self.unary = np.full((n, width), np.inf)
+        self.mem = np.zeros((n, width))
+        for v, u in enumerate(mrf.unary):
+            self.unary[v, : len(u)] = u
+            if mrf.memory is not None:
+                self.mem[v, : len(u)] = mrf.memory[v]
+        # neighbour, table, whether this node indexes the table's rows
+        self.adj: list[list[tuple[int, np.ndarray, bool]]] = [[] for _ in range(n)]
+        for (a, b), t in zip(mrf.edges.tolist(), mrf.tables):
+            self.adj[a].append((b, t, True))
+            self.adj[b].append((a, t, False))
+        self.classes = _colour_classes(self.adj)
+        self.x = np.asarray(x, dtype=np.int64).copy()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute the cost table, energy and memory from scratch (no drift)."""
+        cost = self.unary.copy()
+        for v, nbrs in enumerate(self.adj):
+            for z, t, rows in nbrs:
+                kz = t.shape[1] if rows else t.shape[0]
+                cost[z, :kz] += t[self.x[v]] if rows else t[:, self.x[v]]
+        self.cost = cost
+        self.energy = self.mrf.energy(self.x)
+        self.memory = self.mrf.memory_used(self.x)
+
+    @property
+    def slack(self) -> float:
+        return self.mrf.budget - self.memory if self.mrf.memory is not None else math.inf
+
+    def tol(self) -> float:
+        return GAIN_RTOL * max(1.0, abs(self.energy))
+
+    def move(self, v: int, label: int) -> None:
+        old = int(self.x[v])
+        if old == label:
+            return
+        self.energy += self.cost[v, label] - self.cost[v, old]
+        self.memory += self.mem[v, label] - self.mem[v, old]
+        for z, t, rows in self.adj[v]:
+            if rows:
+                self.cost[z, : t.shape[1]] += t[label] - t[old]
+            else:
+                self.cost[z, : t.shape[0]] += t[:, label] - t[:, old]
+        self.x[v] = label
+
+
+def polish(
+    mrf: Mrf, x: np.ndarray, deadline: float | None, lam: float = 0.0, blocks: bool = True
+) -> np.ndarray:
+    """Improve ``x`` by single-node and (with ``blocks``) star moves until neither
+    helps (or the deadline; one round at least). ``lam`` prices memory in the star
+    moves' choice, so that under a tight budget they find moves that still fit."""
+    state = LocalState(mrf, x)
+    if state.slack < 0:
+        repair(state)
+    while True:
+        icm(state)
+        if not blocks or not stars(state, lam) or _late(deadline):
+            break
+    for depth in (2, 3, 4):  # a forbidden pair left: deeper blocks around it
+        if state.energy < state.mrf.big or _late(deadline):
+            break
+        stars(state, lam, depth, _forbidden_ends(state))
+        icm(state)
+    state.refresh()
+    return state.x
+
+
+def _forbidden_ends(state: LocalState) -> list[int]:
+    x, big = state.x, state.mrf.big
+    ends = set()
+    for (a, b), t in zip(state.mrf.edges.tolist(), state.mrf.tables):
+        if t[x[a], x[b]] >= big:
+            ends.update((a, b))
+    return sorted(ends)
+
+
+def icm(state: LocalState) -> int:
+    """Single-node moves, a colour class at a time, until none gains; returns the count."""
+    moves, changed = 0, True
+    while changed:
+        changed = False
+        for nodes in state.classes:
+            done = _class_moves(state, nodes)
+            moves += done
+            changed |= done > 0
+    return moves
+
+
+def _class_moves(state: LocalState, nodes: np.ndarray) -> int:
+    cost = state.cost[nodes]
+    current = state.x[nodes]
+    rows = np.arange(len(nodes))
+    extra = state.mem[nodes] - state.mem[nodes, current][:, None]
+    slack = state.slack
+    cost = np.where(extra <= slack, cost, np.inf)
+    best = np.argmin(cost, axis=1)
+    gain = state.cost[nodes, current] - cost[rows, best]
+    take = np.flatnonzero(gain > state.tol())
+    if not len(take):
+        return 0
+    growth = extra[take, best[take]]
+    # moves that free memory always fit; the others share the slack, best gain first
+    order = np.lexsort((-gain[take], growth > 0))
+    done = 0
+    for i in take[order].tolist():
+        if extra[i, best[i]] > 0 and extra[i, best[i]] > state.slack:
+            continue
+        state.move(int(nodes[i]), int(best[i]))
+        done += 1
+    return done
+
+
+def stars(state: LocalState, lam: float = 0.0, depth: int = 1, centres=None) -> int:
+    """One round of block moves (stars, or deeper trees) over ``centres`` (all nodes by
+    default); returns how many were taken."""
+    taken = 0
+    for c in range(state.mrf.num_nodes) if centres is None else centres:
+        if state.adj[c] and _tree_move(state, int(c), depth, lam):
+            taken += 1
+    return taken
+
+
+def _tree_move(state: LocalState, root: int, depth: int, lam: float) -> bool:
+    """Relabel a tree block around ``root`` optimally (everything else fixed), if that
+    lowers the energy and the plan still fits."""
+    order, parent, tables = _grow_tree(state, root, depth)
+    x, mem = state.x, state.mem
+    # each block node's cost with its block edges taken out, at the current labels
+    rest = {v: state.cost[v, : len(state.mrf.unary[v])].copy() for v in order}
+    for v in order[1:]:
+        t, p = tables[v], parent[v]
+        rest[v] -= t[x[p]]
+        rest[p] -= t[:, x[v]]
+    priced = {v: rest[v] + lam * mem[v, : len(rest[v])] for v in order}
+    picks = {}
+    for v in reversed(order[1:]):  # leaves first: min-sum towards the root
+        joint = priced[v][None, :] + tables[v]
+        picks[v] = np.argmin(joint, axis=1)
+        priced[parent[v]] = priced[parent[v]] + joint[np.arange(len(joint)), picks[v]]
+    new = {root: int(np.argmin(priced[root]))}
+    for v in order[1:]:
+        new[v] = int(picks[v][new[parent[v]]])
+    before = sum(rest[v][x[v]] for v in order)
+    before += sum(tables[v][x[parent[v]], x[v]] for v in order[1:])
+    after = sum(rest[v][new[v]] for v in order)
+    after += sum(tables[v][new[parent[v]], new[v]] for v in order[1:])
+    if not after < before - state.tol():
+        return False
+    grow = sum(mem[v, new[v]] - mem[v, x[v]] for v in order)
+    if grow > 0 and grow > state.slack:
+        return False
+    for v in order:
+        state.move(v, new[v])
+    return True
+
+
+def _grow_tree(
+    state: LocalState, root: int, depth: int
+) -> tuple[list[int], dict[int, int], dict[int, np.ndarray]]:
+    """Breadth-first block around ``root`` whose induced edges form a tree: a node
+    joins only if exactly one of its neighbours is already in. Costliest edges
+    first, since a forbidden pair is most likely left on one. Returns the nodes
+    in order, each one's parent, and each one's table oriented (k_parent, k_node)."""
+    x, adj = state.x, state.adj
+    order, parent, tables = [root], {}, {}
+    inside = {root}
+    level = [root]
+    for _ in range(depth):
+        nxt = []
+        for v in level:
+            for z, t, rows in sorted(adj[v], key=lambda e: -_edge_cost(x, v, e)):
+                if z in inside or sum(w in inside for w, _, _ in adj[z]) != 1:
+                    continue
+                inside.add(z)
+                order.append(z)
+                parent[z] = v
+                tables[z] = t if rows else t.T
+                nxt.append(z)
+        level = nxt
+    return order, parent, tables
+
+
+def _edge_cost(x: np.ndarray, v: int, entry: tuple[int, np.ndarray, bool]) -> float:
+    z, t, rows = entry
+    return float(t[x[v], x[z]] if rows else t[x[z], x[v]])
+
+
+def repair(state: LocalState) -> None:
+    """Over budget: take the memory-saving move of least energy per byte saved, repeatedly."""
+    while state.slack < 0:
+        saving = state.mem[np.arange(len(state.x)), state.x][:, None] - state.mem
+        delta = state.cost - state.cost[np.arange(len(state.x)), state.x][:, None]
+        ratio = np.where(saving > 0, delta / np.where(saving > 0, saving, 1.0), np.inf)
+        v, label = np.unravel_index(int(np.argmin(ratio)), ratio.shape)
+        if not np.isfinite(ratio[v, label]):
+            return  # no move saves memory: the caller finds the plan does not fit
+        state.move(int(v), int(label))
+
+
+def _colour_classes(adj: list[list[tuple[int, np.ndarray, bool]]]) -> list[np.ndarray]:
+    colour = np.full(len(adj), -1, dtype=np.int64)
+    for v, nbrs in enumerate(adj):
+        used = {int(colour[z]) for z, _, _ in nbrs}
+        c = 0
+        while c in used:
+            c += 1
+        colour[v] = c
+    return [np.flatnonzero(colour == c) for c in range(int(colour.max(initial=-1)) + 1)]
+
+
+def _late(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() > deadline

@@ -1,0 +1,200 @@
+"""The LP relaxation of the ILP on HiGHS: a lower bound for any plan, and the ``lp`` solver.
+
+The relaxation is the ILP of ``ilp_model`` with its binaries made continuous
+(the local polytope). Its optimum bounds every plan's energy from below; when
+it is integral it *is* the optimal plan. When it is fractional the ``lp``
+solver rounds it (each node takes its largest marginal; tied nodes share
+marginals and pins leave one strategy, so both hold) and polishes the rounded
+plan with the same local search as the approximate solver, under the budget.
+
+``CertifyingSolver`` adds the LP bound to any solver's result
+(``optimality_check``), so a plan from a fast heuristic comes with a proven gap.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
+from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
+from torchtitan_autoparallel.planner.solvers.ilp import INTEGRALITY_TOL, HighsILPSolver
+from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel, build_ilp
+from torchtitan_autoparallel.planner.solvers.local_search import polish
+from torchtitan_autoparallel.planner.solvers.mrf import NoLabels, build_mrf
+from torchtitan_autoparallel.planner.solvers.presolve import presolve
+from torchtitan_autoparallel.planner.solvers.trws import OPTIMAL_RTOL
+
+LOG = logging.getLogger("torchtitan_autoparallel.planner")
+MIN_SLICE_S = 1.0  # the least time a follow-up step (fallback, certificate) is given
+
+
+@dataclass
+class LpResult:
+    status: str  # "optimal" | "infeasible" | "time_limit"
+    value: float  # the LP optimum, offset included (-inf unless optimal)
+    marginals: np.ndarray | None  # (n, kmax) x[v, s] of the LP optimum
+    integral: bool
+    seconds: float
+
+
+def solve_lp(problem: Problem, time_limit: float | None, highs_presolve: bool = False) -> LpResult:
+    """The local-polytope LP of ``problem``; raises ``InfeasibleProblem`` only when a
+    node has no allowed strategy at all (``build_ilp``'s own check)."""
+    import highspy
+
+    start = time.perf_counter()
+    model = build_ilp(problem)
+    h = HighsILPSolver(highs_presolve=highs_presolve)._highs(model, time_limit, integer=False)
+    h.run()
+    status = h.getModelStatus()
+    kinds = highspy.HighsModelStatus
+    seconds = time.perf_counter() - start
+    if status in (kinds.kInfeasible, kinds.kUnboundedOrInfeasible):
+        return LpResult("infeasible", math.inf, None, False, seconds)
+    if status != kinds.kOptimal:
+        return LpResult("time_limit", -math.inf, None, False, seconds)
+    values = np.asarray(h.getSolution().col_value, dtype=np.float64)[: model.num_x]
+    value = h.getInfo().objective_function_value + model.offset
+    integral = np.minimum(np.abs(values), np.abs(1.0 - values)).max(initial=0.0) <= INTEGRALITY_TOL
+    return LpResult("optimal", value, _marginals(problem, model, values), bool(integral), seconds)
+
+
+def _marginals(problem: Problem, model: IlpModel, values: np.ndarray) -> np.ndarray:
+    out = np.full((problem.num_nodes, int(problem.num_strategies.max(initial=1))), -1.0)
+    out[model.x_node, model.x_strategy] = values  # strategies the model dropped stay at -1
+    return out
+
+
+def lp_bound(problem: Problem, time_limit: float | None, reduce: bool = True) -> float:
+    """A lower bound on the optimum from the LP (-inf if it did not finish).
+
+    With ``reduce`` it runs on the exactly presolved problem, whose LP is far
+    smaller and no weaker (the eliminations are exact min-marginalisations).
+    """
+    offset = 0.0
+    if reduce:
+        pre = presolve(problem)
+        problem, offset = pre.reduced, pre.offset
+        if problem.num_nodes == 0:
+            return offset
+    result = solve_lp(problem, time_limit)
+    return result.value + offset if result.status == "optimal" else -math.inf
+
+
+class LPSolver:
+    """Solve the LP; integral -> the optimal plan; fractional -> round, polish, bound."""
+
+    def __init__(self, name: str = "lp-highs") -> None:
+        self.name = name
+
+    def solve(self, problem: Problem, time_limit: float | None = None) -> Solution:
+        start = time.perf_counter()
+        if problem.num_nodes == 0:
+            return Solution(np.zeros(0, np.int64), 0.0, 0.0, self.name, "optimal", 0.0)
+        lp = solve_lp(problem, time_limit)
+        if lp.status == "infeasible":  # the ILP names the smallest budget when it is to blame
+            return _relabel(HighsILPSolver().solve(problem, _left(start, time_limit)), self.name)
+        if lp.status == "time_limit":
+            LOG.warning("%s: the LP did not finish in %s s; using the approximate solver", self.name, time_limit)
+            return self._approx(problem, start, time_limit, -math.inf, timed_out=True)
+        if lp.integral:
+            x = np.argmax(lp.marginals, axis=1)
+            LOG.info("%s: the LP relaxation is integral, so optimal", self.name)
+            return self._finish(problem, x, lp.value, start, "optimal")
+        deadline = None if time_limit is None else start + time_limit
+        x = _round_and_polish(problem, lp.marginals, deadline)
+        if x is None:
+            LOG.warning("%s: the rounded LP plan is infeasible; using the approximate solver", self.name)
+            return self._approx(problem, start, time_limit, lp.value, timed_out=False)
+        return self._finish(problem, x, lp.value, start, "feasible")
+
+    def _finish(self, problem: Problem, x: np.ndarray, bound: float, start: float, status: str) -> Solution:
+        objective = problem.energy(x)
+        if not problem.is_feasible(x):
+            raise RuntimeError(f"{self.name}: the plan violates the problem's constraints")
+        lower = min(objective, bound)
+        if objective - lower <= OPTIMAL_RTOL * max(abs(objective), 1.0):
+            status = "optimal"
+        LOG.info(
+            "%s: %s, objective %.6g us, LP bound %.6g us (gap %.3g%%)",
+            self.name, status, objective, bound, 100 * _gap(objective, lower),
+        )
+        return Solution(x, objective, lower, self.name, status, time.perf_counter() - start)
+
+    def _approx(
+        self, problem: Problem, start: float, time_limit: float | None, bound: float, timed_out: bool
+    ) -> Solution:
+        from torchtitan_autoparallel.planner.solvers.approx import ApproxSolver
+
+        sol = ApproxSolver().solve(problem, _left(start, time_limit))
+        lower = min(sol.objective, max(sol.lower_bound, bound))
+        status = "time_limit" if timed_out and sol.status != "optimal" else sol.status
+        return replace(sol, lower_bound=lower, solver=self.name, status=status,
+                       seconds=time.perf_counter() - start)
+
+
+def _round_and_polish(problem: Problem, marginals: np.ndarray, deadline: float | None) -> np.ndarray | None:
+    """Largest marginal per node (over strategies a feasible plan may use), then local
+    search under the budget; None when no feasible plan comes out."""
+    collapsed, group_of = collapse_ties(problem)
+    try:
+        mrf = build_mrf(collapsed)
+    except NoLabels:
+        return None
+    first = np.unique(group_of, return_index=True)[1]  # tied members share marginals
+    labels = np.array(
+        [int(np.argmax(marginals[v][d])) for v, d in zip(first.tolist(), mrf.domains)], dtype=np.int64
+    )
+    x = polish(mrf, labels, deadline)
+    return mrf.expand(x)[group_of] if mrf.feasible(x) else None
+
+
+class CertifyingSolver:
+    """Any solver, plus the LP bound on its plan (``optimality_check``)."""
+
+    def __init__(self, inner: Solver, reduce: bool = False) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.reduce = reduce  # presolve before the LP (when ``inner`` sees the raw problem)
+
+    def solve(self, problem: Problem, time_limit: float | None = None) -> Solution:
+        start = time.perf_counter()
+        sol = self.inner.solve(problem, time_limit)
+        if sol.status == "optimal" or sol.gap == 0.0:
+            LOG.info("optimality check: %s proved its plan optimal", sol.solver)
+            return sol
+        # the check is asked for explicitly: it gets at least half the limit again
+        limit = None if time_limit is None else max(_left(start, time_limit), 0.5 * time_limit)
+        bound = lp_bound(problem, limit, reduce=self.reduce)
+        if not math.isfinite(bound):
+            LOG.warning("optimality check: the LP did not finish in %s s; no bound beyond %s's", limit, sol.solver)
+            return sol
+        lower = min(sol.objective, max(sol.lower_bound, bound))
+        status = "optimal" if _gap(sol.objective, lower) <= OPTIMAL_RTOL else sol.status
+        LOG.info(
+            "optimality check: LP bound %.6g us, plan %.6g us: certified gap %.4g%%",
+            bound, sol.objective, 100 * _gap(sol.objective, lower),
+        )
+        return replace(sol, lower_bound=lower, status=status, seconds=time.perf_counter() - start)
+
+
+def _gap(objective: float, lower: float) -> float:
+    if not math.isfinite(lower):
+        return math.inf
+    return max(0.0, objective - lower) / max(abs(objective), 1e-9)
+
+
+def _left(start: float, time_limit: float | None) -> float | None:
+    if time_limit is None:
+        return None
+    return max(time_limit - (time.perf_counter() - start), MIN_SLICE_S)
+
+
+def _relabel(sol: Solution, name: str) -> Solution:
+    return replace(sol, solver=name)

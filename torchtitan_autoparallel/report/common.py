@@ -1,0 +1,156 @@
+"""What the report, the diff and the figures share: loading, grouping, units, warnings."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchtitan_autoparallel.errors import UserError
+from torchtitan_autoparallel.planner.plan import Plan
+
+GIB = 2**30
+# A gather to this size on every device is where a plan starts to risk OOM on
+# an 80 GB GPU that also holds weights, optimizer state and activations.
+DEFAULT_WARN_GIB = 1.0
+# Kinds whose result is the full (gathered or reduced) buffer on every rank.
+MATERIALISING = ("all_gather", "all_reduce")
+
+_LAYER = re.compile(r"^(.*?layers)\.(\d+)\.(.+)$")
+
+
+def load_plan(path: str | Path) -> Plan:
+    """``Plan.from_json`` with one-line errors for a missing or malformed file."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"plan file {str(path)!r} does not exist; accepted: a plan.json written by a planning run")
+    try:
+        return Plan.from_json(p)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UserError(f"plan file {str(path)!r} is not a plan.json ({type(e).__name__}: {e})") from None
+
+
+def predicted_step_us(plan: Plan) -> float:
+    """Compute plus communication, less what overlapping them saves (0 until overlap lands)."""
+    return plan.predicted["total_us"] - plan.predicted.get("overlap_savings_us", 0.0)
+
+
+def peak_activation_bytes(plan: Plan) -> float | None:
+    """None for plans written before the estimate existed."""
+    return plan.predicted.get("peak_activation_bytes_per_device")
+
+
+# ---------------------------------------------------------------- layers
+
+
+@dataclass
+class Block:
+    """A run of consecutive layers placed alike, or the parameters outside any layer."""
+
+    name: str  # "layers.0-5", "layers.6" or "(not in a layer)"
+    cells: list[tuple[str, str]]  # (short parameter name, placements joined)
+    first_fqns: list[str]  # the full names of the run's first layer, cell by cell
+
+
+def short_name(rest: str) -> str:
+    """'attention.wq.weight' -> 'wq'; a bias or norm keeps its last two parts."""
+    parts = rest.split(".")
+    if parts[-1] == "weight" and len(parts) > 1:
+        return parts[-2]
+    return ".".join(parts[-2:])
+
+
+def split_layer(fqn: str) -> tuple[str, int, str] | None:
+    """'layers.3.attention.wq.weight' -> ('layers', 3, 'attention.wq.weight')."""
+    m = _LAYER.match(fqn)
+    return (m.group(1), int(m.group(2)), m.group(3)) if m else None
+
+
+def group_blocks(parameters: dict[str, list[str]]) -> list[Block]:
+    """Merge consecutive layers whose parameters are placed identically, as ``Plan.table`` does."""
+    layers: dict[tuple[str, int], list[tuple[str, str, str]]] = {}
+    others: list[tuple[str, str, str]] = []
+    for fqn, ps in parameters.items():
+        cell = "".join(ps)
+        parts = split_layer(fqn)
+        if parts is None:
+            others.append((fqn.removesuffix(".weight"), cell, fqn))
+        else:
+            layers.setdefault(parts[:2], []).append((short_name(parts[2]), cell, fqn))
+    blocks: list[Block] = []
+    start = prev = None
+    for key in sorted(layers):
+        sig = [c[:2] for c in layers[key]]
+        if prev is not None and prev[0] == key[0] and prev[1] == key[1] - 1 and blocks[-1].cells == sig:
+            blocks[-1].name = f"{start[0]}.{start[1]}-{key[1]}"
+        else:
+            start = key
+            blocks.append(Block(f"{key[0]}.{key[1]}", sig, [c[2] for c in layers[key]]))
+        prev = key
+    if others:
+        blocks.append(Block("(not in a layer)", [c[:2] for c in others], [c[2] for c in others]))
+    return blocks
+
+
+# ---------------------------------------------------------------- warnings
+
+
+@dataclass
+class LargeBuffer:
+    """A collective whose result, on every rank of its mesh dim, exceeds the threshold."""
+
+    kind: str
+    mesh_dim: str
+    bytes: float
+    count: int
+    purpose: str
+
+    def message(self, threshold_bytes: float) -> str:
+        return (
+            f"{self.kind} over {self.mesh_dim} ({self.purpose}) materialises {fmt_bytes(self.bytes)} "
+            f"on every device, {self.count}x per step (threshold {fmt_bytes(threshold_bytes)})"
+        )
+
+
+def large_buffers(plan: Plan, threshold_bytes: float) -> list[LargeBuffer]:
+    """Gathers and all-reduces whose per-device result is larger than ``threshold_bytes``, largest first."""
+    found = [
+        LargeBuffer(c.kind, c.mesh_dim, c.bytes, c.count, c.purpose)
+        for c in plan.collectives
+        if c.kind in MATERIALISING and c.bytes > threshold_bytes
+    ]
+    return sorted(found, key=lambda b: -b.bytes)
+
+
+# ---------------------------------------------------------------- units and colours
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_us(us: float) -> str:
+    if abs(us) >= 1e6:
+        return f"{us / 1e6:.3f} s"
+    if abs(us) >= 1e3:
+        return f"{us / 1e3:.3f} ms"
+    return f"{us:.1f} us"
+
+
+# Distinguishable on white and legible with black text; more placements than
+# colours wrap around (a plan rarely has more than a handful).
+PALETTE = (
+    (141, 211, 199), (255, 255, 179), (190, 186, 218), (251, 128, 114), (128, 177, 211),
+    (253, 180, 98), (179, 222, 105), (252, 205, 229), (217, 217, 217), (188, 128, 189),
+    (204, 235, 197), (255, 237, 111),
+)
+
+
+def placement_colors(plan: Plan) -> dict[str, tuple[int, int, int]]:
+    """One colour per distinct placement string, in sorted order so two plans agree where they can."""
+    labels = sorted({"".join(ps) for ps in plan.parameters.values()})
+    return {lab: PALETTE[i % len(PALETTE)] for i, lab in enumerate(labels)}
