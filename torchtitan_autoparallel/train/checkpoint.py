@@ -128,8 +128,8 @@ def load(folder: Path, step: int, model: nn.Module, optimizer, model_id: str) ->
     model.load_state_dict(target["model"])
     set_optimizer_state_dict(model, optimizer, target["optimizer"], options=_OPTIM_OPTIONS)
     _check_state_placed_like_params(optimizer)
-    saved_on = state.get("world_size")
-    logger.info(f"resumed from checkpoint {path} (step {state['step']}, saved on {saved_on} rank(s))")
+    saved_on = f", saved on {state['world_size']} rank(s)" if "world_size" in state else ""
+    logger.info(f"resumed from checkpoint {path} (step {state['step']}{saved_on})")
     return state
 
 
