@@ -51,3 +51,18 @@ def test_simplification_and_ties_leave_the_debug_model_optimum_unchanged(stages)
         assert fast.status == "optimal"
         assert fast.objective == pytest.approx(reference.objective, rel=1e-9)
         assert fast.objective == pytest.approx(problem.energy(fast.assignment), rel=1e-12)
+
+
+def test_deep_models_tie_their_outer_blocks_too(fake_world):
+    from torchtitan_autoparallel.planner.repeats import TIE_OUTER_BLOCKS_FROM
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_shard", "tp"))
+    depth = TIE_OUTER_BLOCKS_FROM
+    traced = trace_training_step(build_meta_model("llama3", "8B", depth), 8, 256)  # fake tensors: no memory
+    table = enumerate_strategies(traced, mesh)
+    tied = {n for group in repeated_layer_ties(traced, table) for n in group}
+    for (phase, layer), nodes in _phase_layer_groups(traced, table).items():
+        choices = [n for n in nodes if len(table.nodes[n].strategies) > 1]
+        share = sum(n in tied for n in choices) / len(choices)
+        # the last block's extra ops (final norm, head) stay free; the rest align
+        assert share > (0.85 if layer == depth - 1 else 0.99), (phase, layer, share)

@@ -18,11 +18,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_autoparallel.planner.build import BuiltProblem, build_problem
+from torchtitan_autoparallel.planner.overlap import add_overlap_prediction, overlap_spec
 from torchtitan_autoparallel.planner.plan import Plan, plan_from_solution
 from torchtitan_autoparallel.planner.profiles import HardwareProfile
 from torchtitan_autoparallel.planner.repeats import repeated_layer_ties
 from torchtitan_autoparallel.planner.solvers import get_solver
 from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solvers.overlap import overlap_solver
 from torchtitan_autoparallel.planner.strategy import enumerate_strategies
 from torchtitan_autoparallel.planner.trace import BatchSpec, LossFn, TracedStep, trace_training_step
 from torchtitan_autoparallel.train.loss import cross_entropy_loss
@@ -73,6 +75,7 @@ def plan_stages(
     solve_hook: SolveHook | None = None,
     activation_checkpoint: str = "none",
     strided_sharding: bool = False,
+    overlap: bool = False,
 ) -> PlannedStages:
     """Trace, enumerate, build, solve and decode one training step on ``mesh``.
 
@@ -86,6 +89,8 @@ def plan_stages(
     with each transformer block recomputed in the backward, so the plan prices
     and the executor runs the recomputation. ``strided_sharding`` lets the
     matmul family take the strided shards views produce (``strided.py``).
+    ``overlap`` credits parameter gathers and gradient reductions hidden behind
+    compute (``overlap.py``); the exact ILP/LP path solves it.
     """
     timings: dict[str, float] = {}
     peak_rss: dict[str, float] = {}
@@ -125,7 +130,11 @@ def plan_stages(
         built.problem.save(export_problem)
         log.info("problem written to %s", export_problem)
     lap("build")
+    spec = overlap_spec(built, traced) if overlap else None
+
     def solve() -> Solution:
+        if spec is not None:
+            return overlap_solver(solver, ilp_backend, spec).solve(built.problem, time_limit_s)
         chosen = get_solver(solver, ilp_backend, optimality_check=optimality_check)
         return chosen.solve(built.problem, time_limit_s)
 
@@ -145,6 +154,8 @@ def plan_stages(
         )
     lap("solve")
     plan = plan_from_solution(solution, built, traced, timings)
+    if spec is not None:
+        add_overlap_prediction(plan, built, spec, solution.assignment)
     lap("plan")
     plan.peak_rss_gib = peak_rss
     plan.timings["total"] = time.perf_counter() - start

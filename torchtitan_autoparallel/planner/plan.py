@@ -246,6 +246,11 @@ def format_table(plan: Plan) -> str:
         f"compute {plan.compute_us:.1f} us, comm {plan.comm_us:.1f} us, "
         f"params {plan.param_bytes_per_device / 2**20:.2f} MiB/device",
     ]
+    if "overlap_savings_us" in plan.predicted:  # only plans solved with overlap on
+        lines[-1] += (
+            f"; overlap saves {plan.predicted['overlap_savings_us']:.1f} us of the "
+            f"{plan.predicted['total_us']:.1f} us sum, effective {plan.predicted['effective_us']:.1f} us"
+        )
     for name, cells in blocks:
         lines.append(f"  {name:<{width}} | " + " | ".join(f"{p} {c}" for p, c in cells))
     if plan.replicated_ops:

@@ -68,6 +68,7 @@ def _plan_kwargs(job: JobConfig, runtime: Runtime, degrees: tuple[int, int, int]
         optimality_check=a.optimality_check,
         memory_budget_gib=a.memory_budget_gib,
         strided_sharding=a.strided_sharding,
+        overlap=a.overlap,
     )
 
 

@@ -35,13 +35,11 @@ def _ilp(backend: str) -> Solver:
 
 def _presolved(solver: Solver, presolve: bool, check: bool) -> Solver:
     """``solver`` behind the exact presolve; the LP check (if any) runs on the reduced problem."""
+    if presolve and isinstance(solver, HighsILPSolver):
+        solver.highs_presolve = False  # ours already did its work, far more cheaply
     if check:
         solver = CertifyingSolver(solver)
-    if not presolve:
-        return solver
-    if isinstance(solver, HighsILPSolver):
-        solver.highs_presolve = False  # ours already did its work, far more cheaply
-    return PresolvingSolver(solver)
+    return PresolvingSolver(solver) if presolve else solver
 
 
 def _approx(presolve: bool) -> ApproxSolver:

@@ -32,9 +32,10 @@ import numpy as np
 from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution
 from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
+from torchtitan_autoparallel.planner.solvers.ilp import HighsILPSolver, SolverTimeout
 from torchtitan_autoparallel.planner.solvers.local_search import polish
 from torchtitan_autoparallel.planner.solvers.mrf import Mrf, NoLabels, build_mrf
-from torchtitan_autoparallel.planner.solvers.presolve import presolve
+from torchtitan_autoparallel.planner.solvers.presolve import PresolvingSolver, presolve
 from torchtitan_autoparallel.planner.solvers.trws import GAP_RTOL, OPTIMAL_RTOL, Trws
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
@@ -118,16 +119,15 @@ class ApproxSolver:
     ) -> Solution:
         """The ILP settles what local methods could not: infeasible (naming the
         smallest budget) or a plan after all."""
-        from torchtitan_autoparallel.planner.solvers.ilp import HighsILPSolver, SolverTimeout
-        from torchtitan_autoparallel.planner.solvers.presolve import PresolvingSolver
-
         if not self.exact_fallback:
             raise SolverTimeout(f"no feasible plan found in time (approximate solver: {why})")
         LOG.warning("%s: %s; asking the exact ILP", self.name, why)
         left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 1.0)
         sol = PresolvingSolver(HighsILPSolver(highs_presolve=False)).solve(problem, left)
         seconds = time.perf_counter() - start
-        return Solution(sol.assignment, sol.objective, sol.lower_bound, self.name, sol.status, seconds)
+        return Solution(
+            sol.assignment, sol.objective, sol.lower_bound, self.name, sol.status, seconds
+        )
 
 
 def _status(objective: float, lower: float, timed_out: bool) -> str:

@@ -75,7 +75,9 @@ class AutoSolver:
         sol = self.exact.solve(problem, share)
         if sol.status == "optimal":
             return sol
-        left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), MIN_SLICE_S)
+        left = None
+        if time_limit is not None:
+            left = max(time_limit - (time.perf_counter() - start), MIN_SLICE_S)
         LOG.info(
             "auto solver: the ILP stopped with gap %.3g%%; trying the approximate solver for %s s",
             100 * sol.gap, left,

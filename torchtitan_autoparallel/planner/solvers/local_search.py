@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -87,7 +88,12 @@ def polish(
         repair(state)
     while True:
         icm(state)
-        if not blocks or not stars(state, lam) or _late(deadline):
+        if not blocks:
+            break
+        moved = stars(state, lam)
+        if mrf.memory is not None:
+            moved += trades(state)
+        if not moved or _late(deadline):
             break
     for depth in (2, 3, 4):  # a forbidden pair left: deeper blocks around it
         if state.energy < state.mrf.big or _late(deadline):
@@ -153,12 +159,51 @@ def stars(state: LocalState, lam: float = 0.0, depth: int = 1, centres=None) -> 
     return taken
 
 
+@dataclass
+class _Proposal:
+    labels: dict[int, int]  # block node -> its new label
+    gain: float  # energy saved
+    grow: float  # memory added (negative: freed)
+
+
 def _tree_move(state: LocalState, root: int, depth: int, lam: float) -> bool:
     """Relabel a tree block around ``root`` optimally (everything else fixed), if that
     lowers the energy and the plan still fits."""
+    proposal = _propose(state, root, depth, lam)
+    if proposal.gain <= state.tol() or (proposal.grow > 0 and proposal.grow > state.slack):
+        return False
+    for v, label in proposal.labels.items():
+        state.move(v, label)
+    return True
+
+
+@dataclass
+class _Block:
+    """A tree block's min-sum pass: the best relabeling for each label of its root."""
+
+    order: list[int]  # root first, parents before children
+    parent: dict[int, int]
+    tables: dict[int, np.ndarray]  # child -> (k_parent, k_child)
+    rest: dict[int, np.ndarray]  # node -> its cost without its block edges
+    picks: dict[int, np.ndarray]  # child -> its best label per parent label
+    totals: np.ndarray  # (k_root,) best block energy (+ lam * memory) per root label
+
+    def labels(self, root_label: int) -> dict[int, int]:
+        new = {self.order[0]: root_label}
+        for v in self.order[1:]:
+            new[v] = int(self.picks[v][new[self.parent[v]]])
+        return new
+
+    def energy(self, labels: dict[int, int] | np.ndarray) -> float:
+        """The block's energy (memory not priced) at ``labels``, the rest fixed."""
+        total = sum(self.rest[v][labels[v]] for v in self.order)
+        total += sum(self.tables[v][labels[self.parent[v]], labels[v]] for v in self.order[1:])
+        return float(total)
+
+
+def _block(state: LocalState, root: int, depth: int, lam: float) -> _Block:
     order, parent, tables = _grow_tree(state, root, depth)
     x, mem = state.x, state.mem
-    # each block node's cost with its block edges taken out, at the current labels
     rest = {v: state.cost[v, : len(state.mrf.unary[v])].copy() for v in order}
     for v in order[1:]:
         t, p = tables[v], parent[v]
@@ -170,21 +215,48 @@ def _tree_move(state: LocalState, root: int, depth: int, lam: float) -> bool:
         joint = priced[v][None, :] + tables[v]
         picks[v] = np.argmin(joint, axis=1)
         priced[parent[v]] = priced[parent[v]] + joint[np.arange(len(joint)), picks[v]]
-    new = {root: int(np.argmin(priced[root]))}
-    for v in order[1:]:
-        new[v] = int(picks[v][new[parent[v]]])
-    before = sum(rest[v][x[v]] for v in order)
-    before += sum(tables[v][x[parent[v]], x[v]] for v in order[1:])
-    after = sum(rest[v][new[v]] for v in order)
-    after += sum(tables[v][new[parent[v]], new[v]] for v in order[1:])
-    if not after < before - state.tol():
-        return False
-    grow = sum(mem[v, new[v]] - mem[v, x[v]] for v in order)
-    if grow > 0 and grow > state.slack:
-        return False
-    for v in order:
-        state.move(v, new[v])
-    return True
+    return _Block(order, parent, tables, rest, picks, priced[root])
+
+
+def _propose(state: LocalState, root: int, depth: int, lam: float) -> _Proposal:
+    """The block's best relabeling under energy + ``lam`` * memory."""
+    block = _block(state, root, depth, lam)
+    new = block.labels(int(np.argmin(block.totals)))
+    gain = block.energy(state.x) - block.energy(new)
+    return _Proposal(new, gain, _growth(state, new))
+
+
+def _growth(state: LocalState, new: dict[int, int]) -> float:
+    return float(sum(state.mem[v, label] - state.mem[v, state.x[v]] for v, label in new.items()))
+
+
+def trades(state: LocalState) -> int:
+    """Star moves that need more memory than is free, paid for by the cheapest
+    memory-freeing single-node move away from the star; returns how many were taken."""
+    holders = np.flatnonzero(np.ptp(state.mem, axis=1) > 0)
+    taken = 0
+    for v in holders.tolist():
+        proposal = _propose(state, v, 1, 0.0)
+        need = proposal.grow - state.slack
+        if proposal.gain <= state.tol() or need <= 0:
+            continue  # nothing to gain, or the star move needs no trade
+        near = set(proposal.labels)
+        for u in proposal.labels:
+            near.update(z for z, _, _ in state.adj[u])
+        others = np.array([w for w in holders.tolist() if w not in near], dtype=np.int64)
+        if not len(others):
+            continue
+        current = state.x[others]
+        saved = state.mem[others, current][:, None] - state.mem[others]
+        extra = state.cost[others] - state.cost[others, current][:, None]
+        extra = np.where(saved >= need, extra, np.inf)
+        w, label = np.unravel_index(int(np.argmin(extra)), extra.shape)
+        if extra[w, label] < proposal.gain - state.tol():
+            state.move(int(others[w]), int(label))
+            for u, new in proposal.labels.items():
+                state.move(u, new)
+            taken += 1
+    return taken
 
 
 def _grow_tree(
@@ -219,7 +291,38 @@ def _edge_cost(x: np.ndarray, v: int, entry: tuple[int, np.ndarray, bool]) -> fl
 
 
 def repair(state: LocalState) -> None:
-    """Over budget: take the memory-saving move of least energy per byte saved, repeatedly."""
+    """Over budget: star moves (a memory holder relabelled, its neighbours
+    re-optimised) until the plan fits. Each step takes the move of least energy per
+    byte saved, unless one move saving all the excess costs no more than that rate
+    times the excess (it finishes at once); single-node moves if no star move saves."""
+    holders = np.flatnonzero(np.ptp(state.mem, axis=1) > 0).tolist()
+    while state.slack < 0:
+        need = -state.slack
+        by_rate = (math.inf, None)  # (energy per byte, labels)
+        at_once = (math.inf, None)  # (energy, labels) of the cheapest move saving ``need``
+        for v in holders:
+            block = _block(state, v, 1, 0.0)
+            saved = state.mem[v, state.x[v]] - state.mem[v, : len(block.totals)]
+            for leaf in block.order[1:]:
+                saved = saved - state.mem[leaf, block.picks[leaf]] + state.mem[leaf, state.x[leaf]]
+            extra = block.totals - block.energy(state.x)
+            rate = np.where(saved > 0, extra / np.where(saved > 0, saved, 1.0), np.inf)
+            label = int(np.argmin(rate))
+            if rate[label] < by_rate[0]:
+                by_rate = (float(rate[label]), block.labels(label))
+            enough = np.where(saved >= need, extra, np.inf)
+            label = int(np.argmin(enough))
+            if enough[label] < at_once[0]:
+                at_once = (float(enough[label]), block.labels(label))
+        if by_rate[1] is None:
+            _repair_single(state)
+            return
+        take = at_once[1] if at_once[0] <= by_rate[0] * need else by_rate[1]
+        for u, label in take.items():
+            state.move(u, label)
+
+
+def _repair_single(state: LocalState) -> None:
     while state.slack < 0:
         saving = state.mem[np.arange(len(state.x)), state.x][:, None] - state.mem
         delta = state.cost - state.cost[np.arange(len(state.x)), state.x][:, None]

@@ -16,11 +16,15 @@ minima add up to a lower bound for *any* messages. Right after a forward
 sweep each forward message is its chain prefix's exact min-marginal, so a
 chain's minimum is the sum of the ``delta`` along it plus its last node's
 ``min gamma_s * theta_hat_s``: the bound comes for free with the sweep (and
-likewise after the backward sweep). Messages are capped at ``big``, which
-only lowers that figure, so it stays valid.
+likewise after the backward sweep). It holds whatever messages the sweep
+starts from, so capping them at ``big`` between sweeps (to keep forbidden
+pairs from compounding) leaves it valid.
 
-Decoding follows the paper: in the forward sweep each node takes its best
-label given the labels already chosen before it and the messages from after it.
+Decoding follows the paper, in both sweeps: each node takes its best label
+given the labels already chosen before it in the sweep and the messages from
+the nodes still ahead. A run stops when its best labeling is proven within a
+relative ``gap`` of the optimum, when bound and energy both stall, or at the
+deadline.
 """
 
 from __future__ import annotations
@@ -63,51 +67,64 @@ class _Step:
     behind: list[tuple[int, np.ndarray, np.ndarray]]
 
 
+@dataclass
+class _Link:
+    """One edge seen from one of its ends."""
+
+    other: int
+    table: np.ndarray  # (k_self, k_other)
+    transposed: np.ndarray  # (k_other, k_self), contiguous: the other end's ``table``
+    inbound: np.ndarray  # view of the message other -> self
+    outbound: np.ndarray  # view of the message self -> other
+
+
 class Trws:
     """Message buffers and per-node work lists; messages persist across ``run`` calls,
     so a run with a slightly changed unary (the Lagrangian loop) starts warm."""
 
     def __init__(self, mrf: Mrf) -> None:
         self.mrf = mrf
-        n, k = mrf.num_nodes, mrf.k
-        edges = mrf.edges.tolist()
-        sizes = [int(k[b]) if j == 0 else int(k[a]) for a, b in edges for j in (0, 1)]
-        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
-        self.msg = np.zeros(starts[-1])
-        # views: into_b[e] is the message a -> b (indexed by b's labels), into_a[e] b -> a
-        into_b = [self.msg[starts[2 * e] : starts[2 * e + 1]] for e in range(len(edges))]
-        into_a = [self.msg[starts[2 * e + 1] : starts[2 * e + 2]] for e in range(len(edges))]
-        incoming: list[list[int]] = [[] for _ in range(n)]
-        ahead: list[list] = [[] for _ in range(n)]  # forward sweep sends
-        back: list[list] = [[] for _ in range(n)]  # backward sweep sends
-        for e, (a, b) in enumerate(edges):
-            table, flipped = mrf.tables[e], np.ascontiguousarray(mrf.tables[e].T)
-            incoming[b].append(starts[2 * e])
-            incoming[a].append(starts[2 * e + 1])
-            ahead[a].append((b, table, into_a[e], into_b[e], flipped))
-            back[b].append((a, flipped, into_b[e], into_a[e], table))
-        positions = [
-            np.stack([np.arange(p, p + k[v]) for p in ps]) if ps else None
-            for v, ps in enumerate(incoming)
-        ]
-        n_fwd = np.array([len(f) for f in ahead])
-        n_bwd = np.array([len(f) for f in back])
+        n = mrf.num_nodes
+        earlier, later, incoming = self._links(mrf)
+        n_fwd = np.array([len(ls) for ls in later])
+        n_bwd = np.array([len(ls) for ls in earlier])
         chains = np.maximum(np.maximum(n_fwd, n_bwd), 1)
         gamma = (1.0 / chains).tolist()
         end_fwd = ((chains - n_fwd) / chains).tolist()
         end_bwd = ((chains - n_bwd) / chains).tolist()
         self.forward = [
-            _Step(v, positions[v], gamma[v], end_fwd[v],
-                  [(t, r, o) for _, t, r, o, _ in ahead[v]],
-                  [(u, tb, r) for u, _, r, _, tb in back[v]])
+            _Step(v, incoming[v], gamma[v], end_fwd[v], _sends(later[v]), _behind(earlier[v]))
             for v in range(n)
         ]
         self.backward = [
-            _Step(v, positions[v], gamma[v], end_bwd[v],
-                  [(t, r, o) for _, t, r, o, _ in back[v]],
-                  [(w, tb, r) for w, _, r, _, tb in ahead[v]])
+            _Step(v, incoming[v], gamma[v], end_bwd[v], _sends(earlier[v]), _behind(later[v]))
             for v in range(n - 1, -1, -1)
         ]
+
+    def _links(self, mrf: Mrf) -> tuple[list[list[_Link]], list[list[_Link]], list]:
+        """Allocate the message buffer; per node its links to earlier and later
+        neighbours, and the buffer positions (degree, k) of its incoming messages."""
+        k = mrf.k
+        edges = mrf.edges.tolist()
+        sizes = [int(k[node]) for a, b in edges for node in (b, a)]
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        self.msg = np.zeros(starts[-1])
+        earlier: list[list[_Link]] = [[] for _ in range(mrf.num_nodes)]
+        later: list[list[_Link]] = [[] for _ in range(mrf.num_nodes)]
+        positions: list[list[int]] = [[] for _ in range(mrf.num_nodes)]
+        for e, (a, b) in enumerate(edges):
+            to_b = self.msg[starts[2 * e] : starts[2 * e + 1]]
+            to_a = self.msg[starts[2 * e + 1] : starts[2 * e + 2]]
+            table, flipped = mrf.tables[e], np.ascontiguousarray(mrf.tables[e].T)
+            later[a].append(_Link(b, table, flipped, to_a, to_b))
+            earlier[b].append(_Link(a, flipped, table, to_b, to_a))
+            positions[b].append(starts[2 * e])
+            positions[a].append(starts[2 * e + 1])
+        incoming = [
+            np.stack([np.arange(p, p + k[v]) for p in ps]) if ps else None
+            for v, ps in enumerate(positions)
+        ]
+        return earlier, later, incoming
 
     def run(
         self,
@@ -163,8 +180,7 @@ class Trws:
                 d = float(least(m))
                 bound += d
                 np.subtract(m, d, out=out)
-        # capping only lowers later bounds, so they stay valid; it stops ``big`` compounding
-        np.minimum(msg, self.mrf.big, out=msg)
+        np.minimum(msg, self.mrf.big, out=msg)  # see the module doc
         return x, bound
 
 
@@ -200,7 +216,9 @@ class _Best:
         return self.energy - bound <= gap * max(abs(self.energy), abs(bound), 1.0)
 
 
-def _stalled(history: list[tuple[float, float]], bound: float, energy: float, patience: int) -> bool:
+def _stalled(
+    history: list[tuple[float, float]], bound: float, energy: float, patience: int
+) -> bool:
     """Neither the bound nor the energy moved over the last ``patience`` sweeps."""
     history.append((bound, energy))
     if len(history) <= patience:
@@ -208,3 +226,11 @@ def _stalled(history: list[tuple[float, float]], bound: float, energy: float, pa
     old_bound, old_energy = history[-1 - patience]
     scale = STALL_RTOL * max(abs(energy), abs(bound), 1.0)
     return bound - old_bound <= scale and old_energy - energy <= scale
+
+
+def _sends(links: list[_Link]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    return [(link.table, link.inbound, link.outbound) for link in links]
+
+
+def _behind(links: list[_Link]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    return [(link.other, link.transposed, link.inbound) for link in links]

@@ -1,0 +1,297 @@
+"""Solver benchmark: exact ILP (HiGHS, CBC), LP relaxation and TRW-S on the same problems.
+
+Each (model, mesh) problem is built once, in a fresh process on a fake
+process group of its world size, and saved (``Problem.save``). Every solver
+then runs in its own process on that saved problem, once with the default
+(tightest) memory budget and once with a loose one (``LOOSE`` times it), under
+a per-solver time limit. Each solver's time covers its whole ``solve`` call
+(presolve included), not loading the file. Results go to ``results.json`` and
+``README.md`` beside this file.
+
+    .venv/bin/python experiments/solver_bench/run.py                 # every case
+    .venv/bin/python experiments/solver_bench/run.py --only debug    # names containing "debug"
+    .venv/bin/python experiments/solver_bench/run.py --solvers ilp-cbc  # rerun one solver, keep the rest
+    .venv/bin/python experiments/solver_bench/run.py --report-only   # README.md from results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LOOSE = 4.0  # the loose budget, as a multiple of the tightest
+SOLVERS = ("ilp-highs", "ilp-cbc", "lp", "approx")
+GRACE_S = 600  # beyond the time limit before a solver's process is killed
+D2 = ("dp_shard", "tp")
+D3 = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Model:
+    label: str
+    family: str
+    flavor: str
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class Mesh:
+    label: str
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def world(self) -> int:
+        return _prod(self.sizes)
+
+    @property
+    def dp(self) -> int:
+        return _prod(s for n, s in zip(self.names, self.sizes) if n.startswith("dp"))
+
+
+MODELS = [
+    Model("llama3-debug", "llama3", "debugmodel", 256),
+    Model("llama3-1B", "llama3", "1B", 2048),
+    Model("llama3-8B", "llama3", "8B", 2048),
+    Model("llama3-70B", "llama3", "70B", 2048),
+    Model("qwen3-8B", "qwen3", "8B", 2048),
+]
+MESHES = [
+    Mesh("2-D 8x8", D2, (8, 8)),
+    Mesh("3-D 2x4x8", D3, (2, 4, 8)),
+    Mesh("3-D 8x8x8", D3, (8, 8, 8)),
+]
+BUDGETS = ("tight", "loose")
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def case_name(model: Model, mesh: Mesh, budget: str) -> str:
+    return f"{model.label} {mesh.label} {budget}"
+
+
+# Child: plan once (the fast solver; the plan itself is not used) to export the problem.
+_BUILD = r"""
+import json, sys, time
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torchtitan_autoparallel.models.registry import build_meta_model
+from torchtitan_autoparallel.planner.api import plan_stages
+from torchtitan_autoparallel.planner.profiles import load_profile
+c = json.loads(sys.argv[1])
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=c["world"])
+mesh = init_device_mesh("cpu", tuple(c["sizes"]), mesh_dim_names=tuple(c["names"]))
+model = build_meta_model(c["family"], c["flavor"], None)
+stages = plan_stages(model, mesh, global_batch_size=c["dp"], seq_len=c["seq_len"],
+                     profile=load_profile("h100"), solver="approx", time_limit_s=600,
+                     export_problem=c["path"])
+t = stages.plan.timings
+print("RESULT " + json.dumps({k: t.get(k) for k in ("trace", "strategies", "build")}))
+"""
+
+# Child: one solver on one saved problem; prints its outcome as JSON.
+_SOLVE = r"""
+import json, math, sys, time
+from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.solvers import get_solver, presolve
+from torchtitan_autoparallel.planner.solvers.auto import pairwise_entries
+from torchtitan_autoparallel.planner.solvers.presolve import problem_size
+c = json.loads(sys.argv[1])
+problem = Problem.load(c["path"])
+problem.memory_budget *= c["scale"]
+name, _, backend = c["solver"].partition("-")
+solver = get_solver(name, backend or "highs")
+start = time.perf_counter()
+try:
+    sol = solver.solve(problem, c["time_limit"])
+except InfeasibleProblem as e:
+    print("RESULT " + json.dumps({"error": str(e), "seconds": time.perf_counter() - start}))
+    sys.exit(0)
+seconds = time.perf_counter() - start
+out = {"seconds": seconds, "objective": sol.objective, "lower_bound": sol.lower_bound,
+       "status": sol.status, "solver": sol.solver,
+       "memory_fraction": problem.memory_used(sol.assignment) / problem.memory_budget}
+if c.get("sizes"):
+    out["original"] = problem_size(problem)
+    out["reduced"] = problem_size(presolve(problem).reduced)
+    out["pairwise_entries"] = pairwise_entries(problem)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _child(script: str, spec: dict, timeout: float) -> dict:
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", script, json.dumps(spec)],
+            capture_output=True, text=True, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"killed after {timeout:.0f} s", "wall_s": time.perf_counter() - start}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"error": tail[0], "wall_s": time.perf_counter() - start}
+    return {**json.loads(lines[-1][len("RESULT "):]), "wall_s": time.perf_counter() - start}
+
+
+def build(model: Model, mesh: Mesh, folder: Path) -> tuple[Path, dict]:
+    """The (model, mesh) problem file, built unless a previous run left it."""
+    path = folder / f"{model.label}-{mesh.label.replace(' ', '_')}.npz"
+    if path.exists():
+        return path, {"reused": str(path)}
+    spec = {**asdict(model), **asdict(mesh), "world": mesh.world, "dp": mesh.dp, "path": str(path)}
+    print(f"building {model.label} on {mesh.label} ...", flush=True)
+    return path, _child(_BUILD, spec, 3600)
+
+
+def run_case(path: Path, budget: str, solvers: tuple[str, ...], time_limit: float) -> dict:
+    scale = 1.0 if budget == "tight" else LOOSE
+    results = {}
+    for i, name in enumerate(solvers):
+        spec = {"path": str(path), "scale": scale, "solver": name, "time_limit": time_limit,
+                "sizes": i == 0}
+        results[name] = _child(_SOLVE, spec, time_limit + GRACE_S)
+        shown = ("seconds", "objective", "lower_bound", "status", "error")
+        print(f"  {name}: " + json.dumps({k: results[name].get(k) for k in shown}), flush=True)
+    return results
+
+
+def summarise(results: dict, previous: dict | None = None) -> dict:
+    """Gaps of every plan to the best bound any solver proved; the approx speed-up.
+    Solvers not run this time keep their ``previous`` results (a CBC-only rerun)."""
+    results = {**(previous or {}).get("solvers", {}), **results}
+    ok = {k: r for k, r in results.items() if "objective" in r}
+    best_bound = max((r["lower_bound"] for r in ok.values()), default=None)
+    for r in ok.values():
+        r["gap_to_best_bound"] = max(0.0, r["objective"] - best_bound) / max(abs(r["objective"]), 1e-9)
+    out: dict = {"solvers": results, "best_lower_bound": best_bound}
+    sizes = next((r for r in results.values() if "original" in r), None)
+    if sizes:
+        out["problem"] = {k: sizes.pop(k) for k in ("original", "reduced", "pairwise_entries")}
+    elif previous and "problem" in previous:
+        out["problem"] = previous["problem"]
+    if "ilp-highs" in ok and "approx" in ok:
+        out["approx_speedup_over_highs"] = ok["ilp-highs"]["seconds"] / max(ok["approx"]["seconds"], 1e-9)
+    lp = ok.get("lp")
+    out["lp_certified"] = bool(lp and lp["status"] != "time_limit" and lp["lower_bound"] > float("-inf"))
+    return out
+
+
+def command_for(name: str) -> str:
+    return f".venv/bin/python experiments/solver_bench/run.py --only '{name}'"
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if "error" in r:
+        return "failed: " + r["error"][:60].replace("|", "/")
+    flag = "" if r["status"] == "optimal" else f" ({r['status']})"
+    return f"{r['seconds']:.2f} s, {100 * r['gap_to_best_bound']:.3f}%{flag}"
+
+
+def _speedup(r: dict) -> str:
+    highs, approx = r["solvers"].get("ilp-highs", {}), r["solvers"].get("approx", {})
+    speed = r.get("approx_speedup_over_highs")
+    if not speed:
+        return "-"
+    # HiGHS stopped by the limit: its time understates what it needs
+    at_least = ">= " if highs.get("status") == "time_limit" else ""
+    return f"{at_least}{speed:.1f}x" if approx.get("objective") else "-"
+
+
+def write_markdown(results: list[dict], path: Path) -> None:
+    head = "| case | limit s | reduced nodes / variables | " + " | ".join(SOLVERS)
+    rows = [head + " | approx speed-up | LP bound |", "|" + " --- |" * (len(SOLVERS) + 5)]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['case']} | | failed: {r['error'][:80]} |" + " |" * (len(SOLVERS) + 2))
+            continue
+        red = r.get("problem", {}).get("reduced", {})
+        size = f"{red.get('nodes', '?')} / {red.get('variables', '?')}"
+        cells = " | ".join(_cell(r["solvers"].get(s)) for s in SOLVERS)
+        rows.append(
+            f"| {r['case']} | {r.get('time_limit_s', '?')} | {size} | {cells} | {_speedup(r)} "
+            f"| {'yes' if r['lp_certified'] else 'no'} |"
+        )
+    text = [
+        "# Solver benchmark",
+        "",
+        f"Measured on {platform.node()} ({platform.processor() or platform.machine()}, {os.cpu_count()} cores),",
+        "H100 cost profile, fake process group; each solver in its own process, with the time",
+        "limit of the row (`limit s`).",
+        f"`tight`: the default (smallest feasible) memory budget; `loose`: {LOOSE:g} times it.",
+        "Each cell: solve time (presolve included) and the plan's gap to the best lower bound any",
+        "solver proved for that case (the LP value, the ILP's bound or optimum, TRW-S's bound);",
+        "a status other than optimal is shown in brackets. `approx speed-up`: HiGHS time / approx time.",
+        "`LP bound`: the LP relaxation finished, so every plan in the row is certified against it.",
+        "Reproduce a row with the command under `command` in `results.json`, or all with",
+        "`.venv/bin/python experiments/solver_bench/run.py`.",
+        "",
+    ]
+    path.write_text("\n".join(text + rows) + "\n")
+
+
+def _cases(only: str) -> list[tuple[Model, Mesh, str]]:
+    return [
+        (m, mesh, b) for m in MODELS for mesh in MESHES for b in BUDGETS
+        if only in case_name(m, mesh, b)
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="run the cases whose name contains this text")
+    parser.add_argument("--solvers", default=",".join(SOLVERS), help="comma-separated subset of " + ", ".join(SOLVERS))
+    parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per solver and case")
+    parser.add_argument("--problems", default="/tmp/solver_bench_problems", help="where built problems are kept")
+    parser.add_argument("--report-only", action="store_true", help="rewrite README.md from results.json")
+    args = parser.parse_args()
+    out = HERE / "results.json"
+    if args.report_only:
+        write_markdown(json.loads(out.read_text()), HERE / "README.md")
+        return 0
+    cases = _cases(args.only)
+    if not cases:
+        print(f"error: no case matches {args.only!r}", file=sys.stderr)
+        return 2
+    folder = Path(args.problems)
+    folder.mkdir(parents=True, exist_ok=True)
+    solvers = tuple(s for s in args.solvers.split(",") if s)
+    previous = {r["case"]: r for r in json.loads(out.read_text())} if out.exists() else {}
+    for model, mesh, budget in cases:
+        name = case_name(model, mesh, budget)
+        path, built = build(model, mesh, folder)
+        if "error" in built:
+            previous[name] = {"case": name, "error": built["error"], "command": command_for(name)}
+            continue
+        print(f"solving {name} ...", flush=True)
+        raw = run_case(path, budget, solvers, args.time_limit)
+        result = {"case": name, "budget": budget, "build": built, **summarise(raw, previous.get(name))}
+        result["command"] = command_for(name)
+        result["time_limit_s"] = args.time_limit
+        result["load_average"] = os.getloadavg()[0]  # other work on the machine skews times
+        previous[name] = result
+        ordered = [previous[case_name(*c)] for c in _cases("") if case_name(*c) in previous]
+        out.write_text(json.dumps(ordered, indent=1))
+        write_markdown(ordered, HERE / "README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Exact (ILP) and relaxed (LP) solves of a ``Problem`` with overlap (``overlap_model``).
+
+The objective is ``energy(x) - savings(x)``, where ``savings(x)`` is the most
+communication the plan can hide behind compute (itself a small LP once ``x``
+is fixed; ``overlap_savings``). Solutions report that objective, recomputed
+from the tables for the plan the solver returns.
+
+Why no presolve: the exact presolve eliminates chains and leaves by folding a
+node's unary into its neighbours' tables, after which a node's compute (which
+feeds the overlap budget) is no longer identifiable, and collapsing ties would
+merge nodes that sit at different points of the step. Overlap models therefore
+skip our presolve and let HiGHS presolve the full model instead.
+
+The approximate solver (TRW-S) works on pairwise energies only and cannot
+express the budget chains, so ``overlap_solver`` sends ``approx`` and ``auto``
+to the exact path and says so in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solvers.ilp import (
+    INTEGRALITY_TOL,
+    OBJECTIVE_RTOL,
+    CbcILPSolver,
+    HighsILPSolver,
+    _remaining,
+    _Run,
+)
+from torchtitan_autoparallel.planner.solvers.overlap_model import (
+    OverlapIlpModel,
+    OverlapSpec,
+    build_overlap_ilp,
+    shared_argmax,
+)
+
+LOG = logging.getLogger("torchtitan_autoparallel.planner")
+OVERLAP_MIP_GAP = 1e-3  # relative; the plan's status says "feasible" when not closed
+PLAIN_SHARE = 0.25  # of the time limit, for the plain plan that warm-starts the overlap solve
+
+
+@dataclass
+class OverlapBreakdown:
+    """What a fixed plan hides: per edge, and in total (microseconds)."""
+
+    edges: np.ndarray  # problem edge indices that can save anything
+    savings: np.ndarray  # us saved on each
+    total: float
+
+
+def overlap_breakdown(problem: Problem, spec: OverlapSpec, assignment: np.ndarray) -> OverlapBreakdown:
+    """The largest savings of a fixed plan: the overlap LP with every node pinned."""
+    x = np.asarray(assignment, dtype=np.int64)
+    if problem.num_nodes == 0:
+        return OverlapBreakdown(np.zeros(0, np.int64), np.zeros(0), 0.0)
+    # pinned, the plan's own tables are constants; its memory was checked by the solver
+    fixed = replace(problem, pins={v: int(s) for v, s in enumerate(x.tolist())}, memory_budget=None)
+    model = build_overlap_ilp(fixed, spec)
+    if not len(model.saving_col):
+        return OverlapBreakdown(model.saving_edge, np.zeros(0), 0.0)
+    h = HighsILPSolver(highs_presolve=True)._highs(model, None, integer=False)
+    h.run()
+    values = np.asarray(h.getSolution().col_value, dtype=np.float64)
+    savings = np.maximum(model.savings(values), 0.0)
+    return OverlapBreakdown(model.saving_edge, savings, float(savings.sum()))
+
+
+def overlap_savings(problem: Problem, spec: OverlapSpec, assignment: np.ndarray) -> float:
+    return overlap_breakdown(problem, spec, assignment).total
+
+
+class _GapHighs(HighsILPSolver):
+    """HiGHS stopping at ``OVERLAP_MIP_GAP``: the budget chains make the tree deep, and the
+    last fraction of a percent costs minutes; the proven bound is reported all the same."""
+
+    def _highs(self, model, time_limit, integer):  # noqa: ANN001, ANN202 (as the parent)
+        h = super()._highs(model, time_limit, integer)
+        h.setOptionValue("mip_rel_gap", OVERLAP_MIP_GAP)
+        return h
+
+
+class OverlapSolver:
+    """Energy minus overlap savings, on HiGHS or CBC; ``relax`` solves the LP and rounds."""
+
+    def __init__(self, spec: OverlapSpec, backend: str = "highs", relax: bool = False) -> None:
+        self.spec = spec
+        self.backend = backend
+        self.relax = relax
+        kind = "lp" if relax else "ilp"
+        self.name = f"{kind}-{backend}+overlap"
+
+    def solve(self, problem: Problem, time_limit: float | None = None) -> Solution:
+        start = time.perf_counter()
+        if problem.num_nodes == 0:
+            return Solution(np.zeros(0, np.int64), 0.0, 0.0, self.name, "optimal", 0.0)
+        model = build_overlap_ilp(problem, self.spec)
+        model.completion = lambda base: _complete(model, base)
+        model.start = self._plain_start(problem, model, start, time_limit)
+        LOG.info(
+            "%s: %d nodes, %d edges, %d overlappable -> %s (built in %.2f s)",
+            self.name, problem.num_nodes, len(problem.edges), len(model.saving_col),
+            model.describe(), time.perf_counter() - start,
+        )
+        run = self._run(problem, model, start, time_limit)
+        if run.status == "infeasible":
+            # overlap never changes feasibility: the plain solver names the culprit
+            HighsILPSolver().solve(problem, _remaining(start, time_limit))
+            raise InfeasibleProblem("no plan satisfies the constraints")
+        if run.status == "no_solution":
+            return self._fallback(problem, start, time_limit)
+        x = model.assignment(run.col_value) if run.status != "rounded" else run.col_value
+        return self._finish(problem, x, run, model, start)
+
+    def _plain_start(
+        self, problem: Problem, model: OverlapIlpModel, start: float, time_limit: float | None
+    ) -> np.ndarray | None:
+        """The plain optimum (presolved, fast) as the incumbent: the overlap plan can only
+        beat it, and a time limit then still returns a plan no worse than overlap off."""
+        from torchtitan_autoparallel.planner.solvers import get_solver
+
+        share = None if time_limit is None else PLAIN_SHARE * time_limit
+        try:
+            sol = get_solver("ilp", self.backend).solve(problem, share)
+        except InfeasibleProblem:
+            return None  # the overlap solve reports it
+        LOG.info("%s: warm start from the plain plan (%.6g us, %s)", self.name, sol.objective, sol.status)
+        return sol.assignment if problem.is_feasible(sol.assignment) else model.start
+
+    def _run(self, problem: Problem, model: OverlapIlpModel, start: float, time_limit: float | None) -> _Run:
+        if self.backend == "cbc":
+            return CbcILPSolver(self.name)._run(model, time_limit)
+        highs = _GapHighs(self.name, highs_presolve=True)
+        if not self.relax:
+            return highs._run(model, time_limit)
+        relaxed = _solve_relaxation(highs, model, time_limit)
+        if relaxed.status != "optimal" or relaxed.col_value is None:
+            return highs._run_mip(model, _remaining(start, time_limit))
+        x = shared_argmax(problem, model, relaxed.col_value)
+        if not _integral(model, relaxed.col_value) and not problem.is_feasible(x):
+            LOG.info("%s: the rounded LP plan is infeasible; solving the MIP", self.name)
+            return highs._run_mip(model, _remaining(start, time_limit))
+        if model.start is not None and self._score(problem, model.start) < self._score(problem, x):
+            x = model.start  # rounding lost to the plain plan; keep the better one
+        # a rounded plan: its objective is recomputed, the LP value is its bound
+        return _Run("rounded", x, relaxed.objective, relaxed.bound)
+
+    def _score(self, problem: Problem, x: np.ndarray) -> float:
+        if not problem.is_feasible(x):
+            return math.inf
+        return problem.energy(x) - overlap_savings(problem, self.spec, x)
+
+    def _finish(
+        self, problem: Problem, x: np.ndarray, run: _Run, model: OverlapIlpModel, start: float
+    ) -> Solution:
+        if not problem.is_feasible(x):
+            raise RuntimeError(f"{self.name}: the solver's plan violates the problem's constraints")
+        energy = problem.energy(x)
+        savings = overlap_savings(problem, self.spec, x)
+        objective = energy - savings
+        solver_value = run.objective + model.offset
+        tol = OBJECTIVE_RTOL * max(abs(objective), 1.0)
+        # for a fixed plan the solver's savings can only be at most the best ones
+        if run.status != "rounded" and objective > solver_value + tol:
+            raise RuntimeError(f"{self.name}: recomputed objective {objective!r} > solver's {solver_value!r}")
+        bound = run.bound + model.offset
+        lower = min(objective, bound)
+        # a MIP stopped at OVERLAP_MIP_GAP reports "optimal"; only a closed gap is
+        status = "optimal" if objective - lower <= tol else ("time_limit" if run.status == "time_limit" else "feasible")
+        seconds = time.perf_counter() - start
+        LOG.info(
+            "%s: %s, objective %.6g us (energy %.6g, overlap saves %.6g), bound %.6g us, %.2f s",
+            self.name, status, objective, energy, savings, lower, seconds,
+        )
+        return Solution(x, objective, lower, self.name, status, seconds)
+
+    def _fallback(self, problem: Problem, start: float, time_limit: float | None) -> Solution:
+        """No plan in time: the plain solver's plan, scored with its savings, and no bound."""
+        LOG.warning("%s: no plan with overlap in %s s; taking the plain solver's", self.name, time_limit)
+        sol = HighsILPSolver()._approximate(problem, start, time_limit)
+        objective = sol.objective - overlap_savings(problem, self.spec, sol.assignment)
+        return Solution(sol.assignment, objective, -math.inf, self.name, "time_limit",
+                        time.perf_counter() - start)
+
+
+def _solve_relaxation(highs: HighsILPSolver, model: OverlapIlpModel, time_limit: float | None) -> _Run:
+    import highspy
+
+    h = highs._highs(model, time_limit, integer=False)
+    h.run()
+    status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return _Run("infeasible")
+    if status != highspy.HighsModelStatus.kOptimal:
+        return _Run("no_solution")
+    value = h.getInfo().objective_function_value
+    return _Run("optimal", np.asarray(h.getSolution().col_value, dtype=np.float64), value, value)
+
+
+def _complete(model: OverlapIlpModel, base: np.ndarray) -> np.ndarray:
+    """Full columns for fixed x and y: the overlap LP with the base columns pinned."""
+    h = HighsILPSolver(highs_presolve=True)._highs(model, None, integer=False)
+    fixed = np.arange(model.num_base_col, dtype=np.int32)
+    h.changeColsBounds(len(fixed), fixed, base, base)
+    h.run()
+    import highspy
+
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:  # zero overlap is always feasible
+        return np.concatenate([base, np.zeros(model.num_col - model.num_base_col)])
+    values = np.asarray(h.getSolution().col_value, dtype=np.float64)
+    values[: model.num_base_col] = base  # exact binaries for the warm start
+    return values
+
+
+def _integral(model: OverlapIlpModel, col_value: np.ndarray) -> bool:
+    x = col_value[: model.num_x]
+    return bool(np.minimum(np.abs(x), np.abs(1.0 - x)).max(initial=0.0) <= INTEGRALITY_TOL)
+
+
+def overlap_solver(name: str, backend: str, spec: OverlapSpec) -> OverlapSolver:
+    """The solver for ``[autoparallel] solver = name`` when overlap is on."""
+    if name in ("approx", "auto", "brute-force"):
+        LOG.warning(
+            "overlap: the %r solver does not model communication/computation overlap; "
+            "the problem goes to the exact ILP path instead", name,
+        )
+        return OverlapSolver(spec, backend, relax=False)
+    if name not in ("ilp", "lp"):
+        raise ValueError(f"unknown solver {name!r}; accepted: ilp, lp, approx, auto")
+    return OverlapSolver(spec, backend, relax=name == "lp")
