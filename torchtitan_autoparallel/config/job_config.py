@@ -96,6 +96,12 @@ class AutoParallel:
     overlap: bool = False
     strided_sharding: bool = False
     optimality_check: bool = False
+    # Run the step as one graph over local tensors, re-traced from the planned
+    # interpreter on the first step: no DTensor dispatch per op (execute/compiled.py).
+    compile: bool = True
+    # Reorder that graph so each collective is issued early and waited for late,
+    # overlapping compute (execute/overlap.py). Needs compile; without it, no effect.
+    overlap_execution: bool = True
     plan_cache: bool = True
     cost_profile: str = "auto"
     export_problem: str = ""

@@ -41,6 +41,7 @@ class ParityConfig:
     portable_kernels: int = 0  # 1: attention through kernels.py's stand-ins (what a GPU runs)
     local_batch: int = 0  # 1: feed each rank its slice (step_local), as a sharded dataloader does
     compile: int = 0  # 1: re-trace into a local-tensor graph before training (compiled.py)
+    overlap_execution: int = 0  # 1: with compile, reorder that graph for overlap (overlap.py)
     strided_sharding: int = 0  # 1: plan with [autoparallel] strided_sharding
 
 
@@ -51,6 +52,7 @@ class ParityResult:
     expected: dict[str, int] = field(default_factory=dict)
     executed: dict[str, int] = field(default_factory=dict)
     compiled_collectives: dict[str, int] = field(default_factory=dict)  # calls in the local graph
+    overlap_stats: dict[str, float] = field(default_factory=dict)  # overlap.OverlapStats, when scheduled
     local_ops: dict[str, int] = field(default_factory=dict)
     plan_timings: dict[str, float] = field(default_factory=dict)
     step_seconds: list[float] = field(default_factory=list)
@@ -147,12 +149,14 @@ def run_planned(
         from torchtitan_autoparallel.execute.compiled import graph_collectives
 
         tokens, labels = batch(cfg, 0, _vocab(full))
+        step.overlap_execution = bool(cfg.overlap_execution)
         if cfg.local_batch:
             dp_rank, dp_degree = step.data_parallel_coords()
             step.compile_local(tokens.chunk(dp_degree)[dp_rank], labels.chunk(dp_degree)[dp_rank])
         else:
             step.compile(tokens, labels)
         result.compiled_collectives = dict(graph_collectives(step.local_graph))
+        result.overlap_stats = asdict(step.overlap_stats) if step.overlap_stats else {}
     opt = build_adamw(step, cfg.lr, weight_decay=cfg.weight_decay)
     dp_rank, dp_degree = step.data_parallel_coords()
     for i in range(cfg.steps):

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torchtitan_autoparallel.execute.interpreter import ExecutionModes, PlannedInterpreter, PlanExecutionError
 from torchtitan_autoparallel.execute.kernels import check_logsumexp_users
+from torchtitan_autoparallel.execute.overlap import OverlapStats, schedule_overlap
 from torchtitan_autoparallel.execute.placements import chosen_strategies, placements_text
 from torchtitan_autoparallel.execute.redistribute import redistribute_to
 from torchtitan_autoparallel.planner.build import BuiltProblem
@@ -52,6 +53,9 @@ class PlannedStep:
     portable_kernels: bool = False
     # Set by ``compile``: the step as a graph over local tensors and functional collectives.
     local_graph: fx.GraphModule | None = None
+    # ``compile`` then reorders that graph so collectives overlap compute (overlap.py).
+    overlap_execution: bool = False
+    overlap_stats: OverlapStats | None = None  # what that reordering moved
 
     def __post_init__(self) -> None:
         if self.mesh.device_type != "cpu" or self.portable_kernels:
@@ -108,19 +112,24 @@ class PlannedStep:
         """Re-trace the interpretation into a graph over local tensors; later steps run it.
 
         Costs one extra step (the trace runs it, collectives included, on the
-        given GLOBAL batch; parameters are not changed). See ``compiled.py``.
+        given GLOBAL batch; parameters are not changed). See ``compiled.py``;
+        with ``overlap_execution`` the graph is then scheduled by ``overlap.py``.
         """
-        from torchtitan_autoparallel.execute.compiled import trace_local_graph
-
-        self.local_graph = trace_local_graph(self, *self.distribute_batch(tokens, labels))
+        self._compile(*self.distribute_batch(tokens, labels))
 
     def compile_local(self, local_tokens: torch.Tensor, local_labels: torch.Tensor) -> None:
         """As ``compile``, from this rank's slice of the batch (the trainer's dataloader)."""
-        from torchtitan_autoparallel.execute.compiled import trace_local_graph
-
         tokens = self._from_local(local_tokens, self.traced.tokens, self.tokens_placements)
         labels = self._from_local(local_labels, self.traced.labels, self.labels_placements)
-        self.local_graph = trace_local_graph(self, tokens, labels)
+        self._compile(tokens, labels)
+
+    def _compile(self, tokens: DTensor, labels: DTensor) -> None:
+        from torchtitan_autoparallel.execute.compiled import trace_local_graph
+
+        graph = trace_local_graph(self, tokens, labels)
+        # Every rank runs the same deterministic pass, which keeps the collectives' issue order.
+        self.overlap_stats = schedule_overlap(graph) if self.overlap_execution else None
+        self.local_graph = graph
 
     def distribute_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[DTensor, DTensor]:
         """Global batch -> DTensors in the pinned input placements (each rank keeps its slice)."""

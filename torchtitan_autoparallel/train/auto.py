@@ -7,6 +7,7 @@ and drops size-1 axes; the planner reads each axis' role from its name.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from contextlib import contextmanager
@@ -152,11 +153,27 @@ class AutoTraining(Training):
         from torchtitan_autoparallel.execute.optim import optimizer_step
 
         inputs, labels = (x.to(self.runtime.device) for x in batch)
+        if self.job.autoparallel.compile and self.planned.local_graph is None:
+            self._compile(inputs, labels)
         loss, grads = self.planned.step_local(inputs, labels)
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = optimizer_step(self.planned, self.optimizer, grads, self.job.training.max_norm)
         self.scheduler.step()
         return loss, grad_norm, lr
+
+    def _compile(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        from torchtitan_autoparallel.execute.compiled import graph_collectives
+
+        start = time.perf_counter()
+        self.planned.overlap_execution = self.job.autoparallel.overlap_execution
+        self.planned.compile_local(inputs, labels)
+        counts = dict(sorted(graph_collectives(self.planned.local_graph).items()))
+        logger.info(
+            f"step compiled into a local-tensor graph in {time.perf_counter() - start:.1f} s "
+            f"({len(self.planned.local_graph.graph.nodes)} nodes; collectives {counts})"
+        )
+        stats = self.planned.overlap_stats
+        logger.info(f"overlap_execution: {stats.summary() if stats else 'off (collectives run where traced)'}")
 
     def global_loss(self, local_loss: torch.Tensor) -> float:
         return float(local_loss)  # the planned step already reduces the loss
@@ -189,6 +206,8 @@ def build_auto_training(
     _report_plan(job, runtime, planned.plan)
     step = planned.step
     step.bind_to(model)
+    if job.autoparallel.overlap_execution and not job.autoparallel.compile:
+        logger.info("autoparallel.overlap_execution has no effect: it reorders the compiled graph and compile is off")
     dp_rank, dp_degree = step.data_parallel_coords()
     optimizer = build_optimizer(model, job.optimizer)
     metrics = build_metrics(job, runtime, flops_per_token)
