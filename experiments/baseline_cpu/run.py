@@ -113,12 +113,13 @@ def measure_peak_tflops(threads: int) -> float:
 
 
 def run_row(model: str, ranks: int, plan: str, rep: int, shard: int, tp: int, steps: int, warmup: int, root: Path,
-            peak: float, model_name: str | None = None) -> dict:
+            peak: float, model_name: str | None = None, extra: tuple[str, ...] = (), tag: str = "") -> dict:
     """Launch one plan and average its steady-state steps; ``model_name`` picks a registry entry
-    other than ``model`` itself (e.g. ``llama3_auto_parallel``)."""
+    other than ``model`` itself (e.g. ``llama3_auto_parallel``); ``extra`` are further overrides,
+    ``tag`` tells apart the dump folders of runs that differ only in them."""
     dp = rep * shard
     local_batch = GLOBAL_BATCH // dp
-    dump = root / f"{model_name or model}-{ranks}-{plan.replace(' ', '_')}"
+    dump = root / f"{model_name or model}-{ranks}-{plan.replace(' ', '_')}{tag}"
     args = [
         "--job.dump_folder", str(dump),
         "--training.steps", str(steps),
@@ -132,6 +133,7 @@ def run_row(model: str, ranks: int, plan: str, rep: int, shard: int, tp: int, st
     ]
     if model_name:
         args += ["--model.name", model_name]
+    args += list(extra)
     config = CONFIGS[model].relative_to(REPO)
     command = f"NGPU={ranks} CONFIG_FILE={config} ./run_train.sh " + " ".join(
         a if not a.startswith(str(root)) else "<dump>" for a in args
