@@ -142,7 +142,14 @@ sample per dp rank (the 8x8 rows) torch's view rule still writes
 `_StridedShard(0, sf=1)`, a plain `Shard(0)` in all but name, which matmuls
 can read only with the option on. The plain strategies all stay, so an
 optimal plan with the option on is never worse; the extra strategies cost
-planning time (mostly in the solve)."""
+planning time (mostly in the solve).
+
+On LLaMA3-8B (seq 2048, 8x8, one sample per dp rank) the solver does choose
+strided shards, in every block (split factor 8, 24 nodes a block): the
+objective falls 2.5% at 2 layers and 5.0% at all 32, for about 0.5 s more
+planning (the problem has 10% more strategies). The strided plan's numerics
+are checked on 4 CPU ranks in `tests/test_strided.py` (1-rank loss parity
+through the launcher)."""
 
 
 def main() -> int:
