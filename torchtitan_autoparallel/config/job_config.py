@@ -102,6 +102,9 @@ class AutoParallel:
     # Reorder that graph so each collective is issued early and waited for late,
     # overlapping compute (execute/overlap.py). Needs compile; without it, no effect.
     overlap_execution: bool = True
+    # Merge that graph's all-gathers and reduce-scatters into buckets of up to 32 MiB,
+    # one call each, as FSDP and DDP do (execute/bucketing.py). Needs compile.
+    bucket_collectives: bool = True
     plan_cache: bool = True
     cost_profile: str = "auto"
     export_problem: str = ""

@@ -42,6 +42,7 @@ class ParityConfig:
     local_batch: int = 0  # 1: feed each rank its slice (step_local), as a sharded dataloader does
     compile: int = 0  # 1: re-trace into a local-tensor graph before training (compiled.py)
     overlap_execution: int = 0  # 1: with compile, reorder that graph for overlap (overlap.py)
+    bucket_collectives: int = 0  # 1: with compile, merge that graph's collectives (bucketing.py)
     strided_sharding: int = 0  # 1: plan with [autoparallel] strided_sharding
 
 
@@ -53,6 +54,7 @@ class ParityResult:
     executed: dict[str, int] = field(default_factory=dict)
     compiled_collectives: dict[str, int] = field(default_factory=dict)  # calls in the local graph
     overlap_stats: dict[str, float] = field(default_factory=dict)  # overlap.OverlapStats, when scheduled
+    bucket_stats: dict = field(default_factory=dict)  # bucketing.BucketStats, when merged
     local_ops: dict[str, int] = field(default_factory=dict)
     plan_timings: dict[str, float] = field(default_factory=dict)
     step_seconds: list[float] = field(default_factory=list)
@@ -150,6 +152,7 @@ def run_planned(
 
         tokens, labels = batch(cfg, 0, _vocab(full))
         step.overlap_execution = bool(cfg.overlap_execution)
+        step.bucket_collectives = bool(cfg.bucket_collectives)
         if cfg.local_batch:
             dp_rank, dp_degree = step.data_parallel_coords()
             step.compile_local(tokens.chunk(dp_degree)[dp_rank], labels.chunk(dp_degree)[dp_rank])
@@ -157,6 +160,7 @@ def run_planned(
             step.compile(tokens, labels)
         result.compiled_collectives = dict(graph_collectives(step.local_graph))
         result.overlap_stats = asdict(step.overlap_stats) if step.overlap_stats else {}
+        result.bucket_stats = asdict(step.bucket_stats) if step.bucket_stats else {}
     opt = build_adamw(step, cfg.lr, weight_decay=cfg.weight_decay)
     dp_rank, dp_degree = step.data_parallel_coords()
     for i in range(cfg.steps):

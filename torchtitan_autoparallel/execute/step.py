@@ -19,6 +19,8 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from torchtitan_autoparallel.execute import bucketing
+from torchtitan_autoparallel.execute.bucketing import BucketStats
 from torchtitan_autoparallel.execute.interpreter import ExecutionModes, PlannedInterpreter, PlanExecutionError
 from torchtitan_autoparallel.execute.kernels import check_logsumexp_users
 from torchtitan_autoparallel.execute.overlap import OverlapStats, schedule_overlap
@@ -56,6 +58,9 @@ class PlannedStep:
     # ``compile`` then reorders that graph so collectives overlap compute (overlap.py).
     overlap_execution: bool = False
     overlap_stats: OverlapStats | None = None  # what that reordering moved
+    # ``compile`` first merges the graph's all-gathers and reduce-scatters into buckets (bucketing.py).
+    bucket_collectives: bool = False
+    bucket_stats: BucketStats | None = None  # calls before and after merging
 
     def __post_init__(self) -> None:
         if self.mesh.device_type != "cpu" or self.portable_kernels:
@@ -113,7 +118,9 @@ class PlannedStep:
 
         Costs one extra step (the trace runs it, collectives included, on the
         given GLOBAL batch; parameters are not changed). See ``compiled.py``;
-        with ``overlap_execution`` the graph is then scheduled by ``overlap.py``.
+        with ``bucket_collectives`` its collectives are then merged by
+        ``bucketing.py``, and with ``overlap_execution`` the graph is then
+        scheduled by ``overlap.py``.
         """
         self._compile(*self.distribute_batch(tokens, labels))
 
@@ -127,7 +134,11 @@ class PlannedStep:
         from torchtitan_autoparallel.execute.compiled import trace_local_graph
 
         graph = trace_local_graph(self, tokens, labels)
-        # Every rank runs the same deterministic pass, which keeps the collectives' issue order.
+        # Every rank runs the same deterministic passes. Bucketing goes first, so that the
+        # scheduler overlaps the merged collectives; the ranks check they merged alike.
+        self.bucket_stats = bucketing.bucket_collectives(graph) if self.bucket_collectives else None
+        if self.bucket_stats is not None:
+            bucketing.check_same_buckets(self.bucket_stats)
         self.overlap_stats = schedule_overlap(graph) if self.overlap_execution else None
         self.local_graph = graph
 

@@ -166,12 +166,15 @@ class AutoTraining(Training):
 
         start = time.perf_counter()
         self.planned.overlap_execution = self.job.autoparallel.overlap_execution
+        self.planned.bucket_collectives = self.job.autoparallel.bucket_collectives
         self.planned.compile_local(inputs, labels)
         counts = dict(sorted(graph_collectives(self.planned.local_graph).items()))
         logger.info(
             f"step compiled into a local-tensor graph in {time.perf_counter() - start:.1f} s "
             f"({len(self.planned.local_graph.graph.nodes)} nodes; collectives {counts})"
         )
+        merged = self.planned.bucket_stats
+        logger.info(f"bucketing: {merged.summary() if merged else 'off (one collective per tensor)'}")
         stats = self.planned.overlap_stats
         logger.info(f"overlap_execution: {stats.summary() if stats else 'off (collectives run where traced)'}")
 
