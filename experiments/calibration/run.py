@@ -106,6 +106,35 @@ def main() -> None:
         print(f"{r['plan']:<8} {mesh:<18} {r['predicted_step_s'] * 1e3:>12.1f} "
               f"{(measured or 0) * 1e3:>12.1f} {ratio if ratio is not None else float('nan'):>19.2f}")
     print(f"results in {args.out / 'results.json'}")
+    if args.out == HERE / "out":  # the committed record: results.json and README.md beside this file
+        (HERE / "results.json").write_text((args.out / "results.json").read_text())
+        (HERE / "README.md").write_text(markdown(json.loads((HERE / "results.json").read_text())))
+
+
+def markdown(result: dict) -> str:
+    p = result["profile"]
+    lines = [
+        "# Calibrated predictions against measured step times (4 CPU ranks, gloo)",
+        "",
+        "Made by `.venv/bin/python experiments/calibration/run.py` (calibrate, then train each plan "
+        f"{SEQ_LEN} tokens x global batch {GLOBAL_BATCH}; measured: mean of the steps after the first two).",
+        f"Fitted profile: fp32 {p['peak_tflops']['float32'] * 1e3:.1f} GFLOP/s, memory {p['mem_bandwidth_GBps']:.1f} GB/s, "
+        f"kernel overhead {p['kernel_overhead_us']:.1f} us, link {p['intra_node']['bandwidth_GBps']:.2f} GB/s "
+        f"with {p['intra_node']['latency_us']:.0f} us latency.",
+        "",
+        "| plan | mesh | predicted compute ms | predicted comm ms | predicted step ms | measured step ms | measured / predicted |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["runs"]:
+        mesh = "x".join(f"{n}={s}" for n, s in zip(r["mesh"]["names"], r["mesh"]["sizes"]))
+        lines.append(
+            f"| {r['plan']} | {mesh} | {r['predicted_compute_s'] * 1e3:.1f} | {r['predicted_comm_s'] * 1e3:.1f} "
+            f"| {r['predicted_step_s'] * 1e3:.1f} | {(r['measured_step_s'] or 0) * 1e3:.1f} "
+            f"| {r['measured_over_predicted'] or float('nan'):.2f} |"
+        )
+    lines += ["", "Commands:", ""] + [f"- {r['plan']}: `{r['command']}`" for r in result["runs"]]
+    notes = HERE / "notes.md"
+    return "\n".join(lines + (["", notes.read_text().strip()] if notes.exists() else [])) + "\n"
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ The LLaMA3 debug model's automatic plan trains on 4 CPU ranks (gloo) through
 excluded, fp32):
 
 * ``interpreted``: ``--autoparallel.compile false`` (DTensor dispatch per op);
-* ``compiled``: the local-tensor graph, collectives where they were traced
+* ``compiled``: the local-tensor graph with its collectives bucketed
+  (``execute/bucketing.py``), each where the bucketing put it
   (``--autoparallel.overlap_execution false``);
 * ``compiled+overlap``: the same graph reordered by ``execute/overlap.py``
   (the default).
@@ -67,6 +68,9 @@ def markdown(result: dict) -> str:
         f"Made by `experiments/overlap/measure.py --repeats {result['repeats']}` on {result['date']}; "
         f"load average at start {result['machine']['load_average_at_start']}. Seq 128, global batch 8, "
         "mean s/step over steps 4-8, then the mean over repeats (runs alternate between modes).",
+        "`interpreted`: `--autoparallel.compile false`; `compiled`: the local-tensor graph, collectives",
+        "bucketed, `--autoparallel.overlap_execution false`; `compiled+overlap`: the same graph reordered",
+        "so collectives are issued early and waited for late (the default).",
         "",
         "| mesh | mode | s/step (mean of repeats) | each repeat | final loss |",
         "|---|---|---:|---|---:|",
