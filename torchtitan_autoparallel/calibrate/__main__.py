@@ -169,4 +169,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torchtitan_autoparallel.distributed.runtime import exit_process
+
+    exit_process(main())

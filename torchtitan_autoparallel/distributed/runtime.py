@@ -7,8 +7,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -66,3 +69,20 @@ def _init_fake(world_size: int) -> Runtime:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a launched rank with ``code`` without the interpreter's finalisation.
+
+    Process groups stay alive past ``destroy_process_group`` while a device mesh
+    or a module still refers to them; gloo's worker threads then die during
+    finalisation, when destroying the tensors they hold needs the GIL of an
+    interpreter that is being torn down, and the rank aborts (SIGABRT,
+    "terminate called without an active exception") after a successful run.
+    Everything worth keeping (metrics, TensorBoard events, checkpoints) is
+    written and closed before this is called; only the streams need a flush.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

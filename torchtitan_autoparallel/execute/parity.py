@@ -219,4 +219,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from torchtitan_autoparallel.distributed.runtime import exit_process
+
     main()
+    exit_process(0)

@@ -11,7 +11,7 @@ import os
 import sys
 
 from torchtitan_autoparallel.config import JobConfig, load_config, resolve_degrees
-from torchtitan_autoparallel.distributed.runtime import Runtime, init_runtime, shutdown
+from torchtitan_autoparallel.distributed.runtime import Runtime, exit_process, init_runtime, shutdown
 from torchtitan_autoparallel.errors import UserError
 from torchtitan_autoparallel.models.registry import build_model_config, get_entry
 from torchtitan_autoparallel.train import checkpoint
@@ -113,4 +113,4 @@ def train(job: JobConfig, t: Training) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
