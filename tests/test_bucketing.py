@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -22,16 +21,6 @@ from torchtitan_autoparallel.execute.overlap import is_collective, schedule_over
 _ag = torch.ops._c10d_functional.all_gather_into_tensor
 _rs = torch.ops._c10d_functional.reduce_scatter_tensor
 _wait = torch.ops._c10d_functional.wait_tensor
-
-
-@pytest.fixture
-def gloo_one(tmp_path):
-    """A real one-rank gloo group: collectives run, and their values are exact."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already open in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
 
 
 def _step(group: str):

@@ -24,16 +24,6 @@ _ar = torch.ops._c10d_functional.all_reduce
 _wait = torch.ops._c10d_functional.wait_tensor
 
 
-@pytest.fixture
-def gloo_one(tmp_path):
-    """A real one-rank gloo group: collectives run, and their values are exact."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already open in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
-
-
 def _fsdp_like(group: str):
     """Three layers whose weights are all-gathered where used, then an all-reduce.
 
@@ -151,7 +141,7 @@ def fake_two():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        pytest.skip("a process group is already open in this process")
+        pytest.fail("a process group is already open in this process (a test leaked it)")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     yield
     dist.destroy_process_group()
