@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {kind} | {summary[kind]:.1f} | {TARGETS[kind]:.0f} | "
                      f"{statistics.mean(r['planning_s'] for r in rs):.1f} | {all(r['plan_cache_hit'] for r in rs)} |")
     lines += ["", "Each run: " + "; ".join(f"{k}: {[r['to_first_step_s'] for r in v]}" for k, v in runs.items()), ""]
+    notes = HERE / "notes.md"
+    if notes.exists():
+        lines += [notes.read_text().strip(), ""]
     (HERE / "README.md").write_text("\n".join(lines))
     print(f"wrote {HERE / 'results.json'} and {HERE / 'README.md'}")
     return 0
