@@ -23,26 +23,10 @@ CONFIG_FILE=${CONFIG_FILE:-train_configs/llama3_debugmodel.toml}
 LOG_RANK=${LOG_RANK:-0}
 COMM_MODE=${COMM_MODE:-}
 
-gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-if [ "$gpus" -gt 0 ]; then NGPU=${NGPU:-$gpus}; else NGPU=${NGPU:-4}; fi
-
 if [ -n "${CALIBRATE:-}" ]; then
   entry=(-m torchtitan_autoparallel.calibrate)
 else
   entry=(-m torchtitan_autoparallel.train.main --job.config_file "$CONFIG_FILE")
-  # Check the configuration once, before any rank starts: bad input gives one line.
-  "$PYTHON" -m torchtitan_autoparallel.train.preflight --ngpu "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
-fi
-
-if [ "$COMM_MODE" = "fake_backend" ] && [ -z "${CALIBRATE:-}" ]; then
-  NGPU=$NGPU COMM_MODE=$COMM_MODE exec "$PYTHON" -m torchtitan_autoparallel.train.main \
-    --job.config_file "$CONFIG_FILE" "$@"
-fi
-
-if [ "$gpus" -eq 0 ]; then
-  # CPU ranks share the cores: give each an equal slice so they don't thrash.
-  cores=$(nproc)
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / NGPU > 0 ? cores / NGPU : 1 ))}
 fi
 
 NNODES=${NNODES:-1}
@@ -53,6 +37,9 @@ else
   rdzv=(--standalone)
 fi
 
-exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NGPU" "${rdzv[@]}" \
-  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+# One process counts the GPUs (NGPU defaults to them, or 4 CPU ranks), checks the job
+# once before any rank starts (bad input gives one line), and runs torchrun's main.
+export COMM_MODE
+exec "$PYTHON" -m torchtitan_autoparallel.train.launch --ngpu "${NGPU:-auto}" "${rdzv[@]}" \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 -- \
   "${entry[@]}" "$@"

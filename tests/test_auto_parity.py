@@ -9,6 +9,7 @@ For both debug models, the planner's plan on 2 ranks DDP, 2 ranks FSDP,
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -85,5 +86,30 @@ def test_auto_parallel_second_start_hits_the_plan_cache(runs: Runs) -> None:
     )
     assert run.returncode == 0, run.tail()
     assert "plan cache hit" in run.stdout + run.stderr, run.tail()
+    assert "compiled-step cache hit" in run.stdout + run.stderr, run.tail()
     again = read_metrics(folder)
-    assert [r["loss"] for r in again] == pytest.approx([r["loss"] for r in first], rel=1e-6)
+    # the stored graph is the compiled one, node for node: the same numbers, bitwise
+    assert [r["loss"] for r in again] == [r["loss"] for r in first]
+    assert [r["grad_norm"] for r in again] == [r["grad_norm"] for r in first]
+
+    # One rank's stored graph spoiled: it is ignored, every rank compiles, training is unchanged.
+    (folder / "plan_cache" / "graphs").joinpath(_rank_entry(folder, 1)).write_bytes(b"not a graph")
+    (folder / "metrics.jsonl").unlink()
+    run = run_launcher(
+        ["--job.dump_folder", folder, "--model.name", "llama3_auto_parallel",
+         "--training.steps", STEPS, "--training.seq_len", SEQ_LEN,
+         "--training.local_batch_size", GLOBAL_BATCH // 2,
+         "--metrics.enable_tensorboard", "false", "--metrics.peak_tflops", "1"],
+        ngpu=2, config=CONFIGS["llama3"], log_rank="0,1",
+    )
+    assert run.returncode == 0, run.tail()
+    out = run.stdout + run.stderr
+    assert "compiled-step cache entry" in out and "ignored: unreadable" in out, run.tail()
+    assert "another rank has no valid entry; compiling on every rank" in out, run.tail()
+    assert [r["loss"] for r in read_metrics(folder)] == [r["loss"] for r in first]
+
+
+def _rank_entry(folder: Path, rank: int) -> str:
+    names = [p.name for p in (folder / "plan_cache" / "graphs").glob(f"rank{rank}-*.pt")]
+    assert len(names) == 1, names
+    return names[0]

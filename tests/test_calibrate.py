@@ -18,13 +18,17 @@ from torchtitan_autoparallel.calibrate.fit import (
     CommSample,
     ComputeSample,
     FitError,
+    HostSample,
+    OptimizerSample,
     build_profile,
     fit_compute,
     fit_link,
+    fit_step,
 )
 from torchtitan_autoparallel.calibrate.measure import KIB, MIB, default_settings, intra_node_dims
 from torchtitan_autoparallel.planner.cost_model import COLLECTIVES, collective_time_us, compute_time_us
-from torchtitan_autoparallel.planner.profiles import PEAK_DTYPES, load_profile
+from torchtitan_autoparallel.planner.profiles import PEAK_DTYPES, HardwareProfile, Link, load_profile
+from torchtitan_autoparallel.planner.step_terms import host_us, optimizer_us
 
 TRUE = replace(load_profile("h100"), name="truth")
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -107,6 +111,79 @@ def test_fit_errors_name_the_problem() -> None:
         fit_compute([ComputeSample("copy", "float32", 0.0, 1e6, 10.0)])
 
 
+# What the step fit must recover: 12.5 us per node, and 400 us per tensor + 7 ns per element + 4 ms per step.
+STEP_TRUTH = replace(TRUE, host_us_per_node=12.5, optimizer_us_per_tensor=400.0, optimizer_us_per_element=0.007,
+                     optimizer_fixed_us=4000.0)
+
+
+def _step_samples(noise: float, rng: np.random.Generator) -> tuple[list[HostSample], list[OptimizerSample]]:
+    def jitter(us: float) -> float:
+        return us * (1 + noise * rng.standard_normal())
+
+    host = [HostSample(n, jitter(host_us(n, STEP_TRUTH) + 150.0)) for n in (300, 1200, 2400)]
+    settings = ((8, 4096), (32, 4096), (8, 65536), (32, 65536), (16, 262144))
+    opt = [OptimizerSample(t, t * e, jitter(optimizer_us(t, t * e, STEP_TRUTH))) for t, e in settings]
+    return host, opt
+
+
+def test_step_fit_recovers_host_and_optimizer_costs() -> None:
+    fit = fit_step(*_step_samples(0.0, np.random.default_rng(3)))
+    assert fit.host_us_per_node == pytest.approx(12.5, rel=1e-6)
+    assert fit.optimizer_us_per_tensor == pytest.approx(400.0, rel=1e-6)
+    assert fit.optimizer_us_per_element == pytest.approx(0.007, rel=1e-6)
+    assert fit.optimizer_fixed_us == pytest.approx(4000.0, rel=1e-6)
+    assert max(fit.rel_rms.values()) < 1e-9
+    noisy = fit_step(*_step_samples(0.03, np.random.default_rng(4)))
+    profile = build_profile("fitted", TRUE, fit_compute(_compute_samples(0.0, np.random.default_rng(5))),
+                            None, None, devices_per_node=8, step=noisy)
+    # The fitted profile prices the debug model's optimizer (45 tensors, 1.5M elements) as the truth does.
+    assert optimizer_us(45, 1.5e6, profile) == pytest.approx(optimizer_us(45, 1.5e6, STEP_TRUTH), rel=0.05)
+    assert host_us(2000, profile) == pytest.approx(host_us(2000, STEP_TRUTH), rel=0.05)
+
+
+def test_step_fit_errors_name_the_problem() -> None:
+    host, opt = _step_samples(0.0, np.random.default_rng(6))
+    with pytest.raises(FitError, match="graphs of at least two sizes"):
+        fit_step(host[:1], opt)
+    with pytest.raises(FitError, match="three"):
+        fit_step(host, opt[:2])
+    with pytest.raises(FitError, match="do not grow with the number of nodes"):
+        fit_step([HostSample(300, 900.0), HostSample(1200, 500.0)], opt)
+
+
+def test_link_fit_separates_the_per_call_cost_given_two_group_sizes() -> None:
+    rng = np.random.default_rng(7)
+    link = Link(latency_us=300.0, bandwidth_GBps=0.5, call_overhead_us=5000.0)
+    fit = fit_link(_comm_samples(link, 4, 0.0, rng) + _comm_samples(link, 2, 0.0, rng))
+    assert fit.link.call_overhead_us == pytest.approx(5000.0, rel=1e-6)
+    assert fit.link.latency_us == pytest.approx(300.0, rel=1e-6)
+    assert fit.link.bandwidth_GBps == pytest.approx(0.5, rel=1e-6)
+    # One group size cannot tell a per-call cost from the latency: it stays 0, as before.
+    assert fit_link(_comm_samples(TRUE.intra_node, 8, 0.0, rng)).link.call_overhead_us == 0.0
+    # The cost model charges the per-call cost once per collective.
+    assert collective_time_us("all_gather", 1024.0, 2, link) == pytest.approx(
+        collective_time_us("all_gather", 1024.0, 2, replace(link, call_overhead_us=0.0)) + 5000.0
+    )
+
+
+def test_profile_saved_before_the_step_fields_still_loads(tmp_path: Path) -> None:
+    old = STEP_TRUTH.to_dict()
+    for key in ("host_us_per_node", "optimizer_us_per_tensor", "optimizer_us_per_element", "optimizer_fixed_us"):
+        del old[key]
+    for link in ("intra_node", "inter_node"):
+        del old[link]["call_overhead_us"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    loaded = load_profile(str(path))
+    assert loaded == replace(STEP_TRUTH, host_us_per_node=0.0, optimizer_us_per_tensor=0.0,
+                             optimizer_us_per_element=0.0, optimizer_fixed_us=0.0)
+    assert loaded.intra_node.call_overhead_us == 0.0
+    STEP_TRUTH.to_json(path)  # and the new fields survive a round trip
+    assert load_profile(str(path)) == STEP_TRUTH and hash(load_profile(str(path))) == hash(STEP_TRUTH)
+    with pytest.raises(ValueError, match="host_us_per_node must be >= 0"):
+        HardwareProfile.from_dict({**STEP_TRUTH.to_dict(), "host_us_per_node": -1.0})
+
+
 def test_intra_node_dims_follow_the_row_major_layout() -> None:
     assert intra_node_dims((2, 4), 4) == [False, True]
     assert intra_node_dims((8,), 8) == [True]
@@ -121,11 +198,15 @@ def test_real_two_rank_calibration_writes_a_loadable_profile(tmp_path: Path) -> 
     run = run_launcher(args, ngpu=2, env={"CALIBRATE": "1"}, timeout=300)
     assert run.returncode == 0, run.tail()
     text = run.stdout + run.stderr
-    assert "[calibrate 16/16 ##########]" in text, run.tail()  # 3 dtypes x 2 + 2 copies + 4 kinds x 2 sizes
+    # 3 dtypes x 2 + 2 copies + 3 host graphs + 5 optimizer settings + 4 kinds x 2 sizes (no pairs on 2 ranks)
+    assert "[calibrate 24/24 ##########]" in text, run.tail()
+    assert "us per graph node" in text and "(clip + AdamW)" in text, run.tail()
     assert f"profile written to {out}" in text
     profile = load_profile(str(out))  # what --autoparallel.cost_profile PATH calls
     assert profile.name == "calibrated" and profile.compute_efficiency == 1.0
     assert all(v > 0 for v in profile.peak_tflops.values()) and profile.intra_node.bandwidth_GBps > 0
+    assert profile.host_us_per_node > 0
+    assert profile.optimizer_us_per_tensor + profile.optimizer_us_per_element > 0
     samples = json.loads(out.with_suffix(".samples.json").read_text())
     assert len(samples["comm_samples"]) == 8 and samples["kept_from_base"]["fields"] == ["inter_node"]
 

@@ -8,17 +8,33 @@ plan.html, the plan-check fields in metrics.jsonl and the TensorBoard plan.
 from __future__ import annotations
 
 import json
+import operator
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import fx
 
 from _run import CONFIGS, check_records, read_metrics, run_launcher
+
+from torchtitan_autoparallel.execute.graph_cost import GraphCost, graph_cost
+from torchtitan_autoparallel.planner.cost_model import collective_time_us
 from torchtitan_autoparallel.planner.plan import Collective, Plan
+from torchtitan_autoparallel.planner.profiles import Link, load_profile
+from torchtitan_autoparallel.planner.step_terms import add_step_terms
+from torchtitan_autoparallel.report.common import predicted_step_us
 from torchtitan_autoparallel.train.metrics import MetricsLogger, Peak
 from torchtitan_autoparallel.train.plan_check import WARMUP_STEPS, PlanCheck
 
-PLAN_TAGS = {"plan/predicted_compute_ms", "plan/predicted_comm_ms", "plan/predicted_overlap_ms", "plan/predicted_step_ms"}
+PLAN_TAGS = {"plan/predicted_compute_ms", "plan/predicted_comm_ms", "plan/predicted_overlap_ms", "plan/predicted_step_ms",
+             "plan/predicted_host_ms", "plan/predicted_optimizer_ms"}
+TERM_KEYS = ("predicted_compute_s", "predicted_comm_s", "predicted_host_s", "predicted_optimizer_s")
+# A calibrated-looking profile: 10 us per node; 100 us per tensor + 1 ns per element + 2 ms per step.
+STEP_PROFILE = replace(load_profile("cpu_gloo"), host_us_per_node=10.0, optimizer_us_per_tensor=100.0,
+                       optimizer_us_per_element=1e-3, optimizer_fixed_us=2000.0,
+                       intra_node=Link(latency_us=100.0, bandwidth_GBps=1.0, call_overhead_us=3000.0))
 
 
 def _toy_plan() -> Plan:
@@ -52,6 +68,52 @@ def test_measured_is_the_mean_after_the_warm_up_steps() -> None:
     assert "mean of steps 3-4" in check.summary() and "measured/predicted 2.00" in check.summary()
 
 
+def test_plan_predicts_host_and_optimizer_time_from_its_placements() -> None:
+    plan = _toy_plan()
+    shapes = {"layers.0.attention.wq.weight": (64, 32), "layers.1.attention.wq.weight": (64, 32), "norm.weight": (32,)}
+    add_step_terms(plan, shapes, graph_nodes=500, profile=STEP_PROFILE)
+    p = plan.predicted
+    elements = 2 * 64 * 32 / 2 + 32  # two weights sharded over 2 ranks, the norm replicated
+    assert p["optimizer_elements"] == elements and p["optimizer_tensors"] == 3
+    assert p["optimizer_us"] == pytest.approx(3 * 100.0 + elements * 1e-3 + 2000.0)
+    assert p["host_us"] == pytest.approx(500 * 10.0)
+    assert predicted_step_us(plan) == pytest.approx(2000.0 + p["host_us"] + p["optimizer_us"])
+    check = PlanCheck.of(plan)
+    assert check.predicted_step_s == pytest.approx(predicted_step_us(plan) / 1e6)
+    f = check.fields()
+    assert f["predicted_step_s"] == pytest.approx(sum(f[k] for k in TERM_KEYS))
+    # The compiled graph's cost replaces the plan's communication and host estimates, not the rest.
+    check.use_graph(GraphCost(nodes=2000, collectives={"all_gather": 2}, comm_us=7000.0), STEP_PROFILE)
+    f = check.fields()
+    assert f["predicted_comm_s"] == pytest.approx(7e-3) and f["predicted_host_s"] == pytest.approx(2000 * 10e-6)
+    assert f["predicted_compute_s"] == pytest.approx(1.5e-3) and f["predicted_optimizer_s"] == pytest.approx(p["optimizer_us"] / 1e6)
+    assert "from the compiled graph" in check.summary()
+
+
+def _fake_mesh(group_name: str, size: int):
+    return SimpleNamespace(mesh=torch.empty(size), ndim=1, size=lambda dim: size,
+                           get_group=lambda dim: SimpleNamespace(group_name=group_name))
+
+
+def test_graph_cost_prices_the_collectives_and_counts_the_nodes_the_executor_runs() -> None:
+    """A bucketed all-gather of 1024 floats over 4 ranks, a wait, a view, a getitem (no call)."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(256)
+    gathered = g.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, (x, 4, "g0"))
+    gathered.meta["val"] = torch.empty(1024)
+    done = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (gathered,))
+    view = g.call_function(torch.ops.aten.view.default, (done, [32, 32]))
+    pair = g.call_function(torch.ops.aten.split.Tensor, (view, 16))
+    g.output(g.call_function(operator.getitem, (pair, 0)))
+    cost = graph_cost(fx.GraphModule(torch.nn.Module(), g), _fake_mesh("g0", 4), STEP_PROFILE)
+    assert cost.nodes == 4 and cost.collectives == {"all_gather": 1}
+    assert cost.comm_us == pytest.approx(collective_time_us("all_gather", 4096.0, 4, STEP_PROFILE.intra_node))
+    assert cost.comm_us > 3000.0  # the per-call cost is in it
+    with pytest.raises(ValueError, match="no dim of the mesh"):
+        graph_cost(fx.GraphModule(torch.nn.Module(), g), _fake_mesh("other", 4), STEP_PROFILE)
+
+
 def _events(folder: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -65,7 +127,9 @@ def _check_tensorboard(folder: Path, plan: Plan, records: list[dict]) -> None:
     tags = acc.Tags()
     assert PLAN_TAGS <= set(tags["scalars"]), tags["scalars"]
     step_ms = acc.Scalars("plan/predicted_step_ms")[0].value
-    assert step_ms == pytest.approx(plan.predicted["total_us"] / 1e3, rel=1e-6)
+    assert step_ms == pytest.approx(predicted_step_us(plan) / 1e3, rel=1e-6)
+    # The last value is the prediction the records carry (repriced from the compiled graph in a training run).
+    assert acc.Scalars("plan/predicted_step_ms")[-1].value == pytest.approx(records[-1]["predicted_step_s"] * 1e3, rel=1e-5)
     assert acc.Scalars("plan/predicted_overlap_ms")[0].value == 0.0
     assert "plan/table/text_summary" in tags["tensors"], tags
     text = acc.Tensors("plan/table/text_summary")[0].tensor_proto.string_val[0].decode()
@@ -113,7 +177,12 @@ def test_auto_training_run_checks_its_plan(tmp_path: Path) -> None:
     records = read_metrics(tmp_path)
     check_records(records, steps)
     plan = Plan.from_json(tmp_path / "plan.json")
-    assert all(r["predicted_step_s"] == pytest.approx(plan.predicted["total_us"] / 1e6) for r in records)
+    # Repriced from the compiled graph in step 1: the plan's compute, the graph's collectives.
+    assert "predicted step repriced from the compiled graph" in out, run.tail()
+    for r in records:
+        assert r["predicted_step_s"] == pytest.approx(sum(r[k] for k in TERM_KEYS), rel=1e-9)
+        assert r["predicted_compute_s"] == pytest.approx(plan.predicted["compute_us"] / 1e6, rel=1e-9)
+        assert r["predicted_comm_s"] > 0
     assert [r["step"] for r in records if "measured_step_s" in r] == [3, 4, 5]
     assert records[-1]["measured_over_predicted"] > 0
     _check_tensorboard(tmp_path / "tb", plan, records)

@@ -8,9 +8,47 @@ drop when torchtitan fixes it upstream.
    refused for language models. We swap each layer's inner attention for
    torchtitan's own ``ScaledDotProductAttention`` (causal, no document masks),
    which runs forward and backward on CPU and GPU.
+2. Device: torchtitan resolves its device type at import time
+   (``point_torchtitan_at``).
+3. Start-up: torchtitan's attention module compiles FlexAttention when it is
+   imported (a ``torch.compile`` class attribute), which imports inductor,
+   about 0.5 s in every process, for a kernel the SDPA swap above never
+   calls. ``import_model_module`` imports a model package with
+   ``torch.compile`` deferred: the compile happens at the first call, if any.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+
+def import_model_module(name: str) -> ModuleType:
+    """``importlib.import_module(name)`` with import-time ``torch.compile`` calls made lazy."""
+    import torch
+
+    real = torch.compile
+
+    def deferred(model=None, **options):
+        if model is None:  # used as @torch.compile(...)
+            return lambda fn: deferred(fn, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = real(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    torch.compile = deferred
+    try:
+        return importlib.import_module(name)
+    finally:
+        torch.compile = real
 
 
 def use_sdpa_attention(model_config) -> None:

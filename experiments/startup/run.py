@@ -10,7 +10,7 @@ plan cache hit), and reads off:
 * ``to_first_step_s``: from launching ``run_train.sh`` to the first step's
   record in metrics.jsonl (so it includes that first step);
 * ``planning_s``: what plan.json says planning took (trace to placed weights);
-* whether the log reports a plan-cache hit.
+* whether the log reports a plan-cache hit and a compiled-step cache hit.
 
     .venv/bin/python experiments/startup/run.py [--repeats 2]
 
@@ -51,6 +51,7 @@ def launch(dump: Path) -> dict:
         "first_step_s": round(first["step_time_s"], 2),
         "planning_s": round(plan["timings"]["total"], 2),
         "plan_cache_hit": "plan cache hit" in run.stdout + run.stderr,
+        "compiled_step_cache_hit": "compiled-step cache hit" in run.stdout + run.stderr,
         "wall_s": round(run.seconds, 2),
     }
 
@@ -78,12 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         f"average at start {result['load_average_at_start']}). Job: `NGPU=4 {COMMAND}` with the shipped "
         "`train_configs/llama3_debugmodel.toml`.",
         "",
-        "| start | launch to first step s (mean) | target s | planning s | plan-cache hit |",
-        "|---|---:|---:|---:|---|",
+        "| start | launch to first step s (mean) | target s | planning s | plan-cache hit | compiled-step cache hit |",
+        "|---|---:|---:|---:|---|---|",
     ]
     for kind, rs in runs.items():
         lines.append(f"| {kind} | {summary[kind]:.1f} | {TARGETS[kind]:.0f} | "
-                     f"{statistics.mean(r['planning_s'] for r in rs):.1f} | {all(r['plan_cache_hit'] for r in rs)} |")
+                     f"{statistics.mean(r['planning_s'] for r in rs):.1f} | {all(r['plan_cache_hit'] for r in rs)} | "
+                     f"{all(r['compiled_step_cache_hit'] for r in rs)} |")
     lines += ["", "Each run: " + "; ".join(f"{k}: {[r['to_first_step_s'] for r in v]}" for k, v in runs.items()), ""]
     notes = HERE / "notes.md"
     if notes.exists():

@@ -16,7 +16,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from torchtitan_autoparallel.errors import UserError
@@ -92,41 +92,60 @@ def calibrate(args: argparse.Namespace, runtime) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchtitan_autoparallel.calibrate import measure
+    from torchtitan_autoparallel.calibrate import measure, measure_step
 
     settings = _settings(args, runtime.device_type)
+    step_settings = measure_step.default_step_settings()
     base = _base_profile(args.base, runtime.device_type)
     world = runtime.world_size
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     shape = _mesh_shape(args.mesh_shape, world, local)
     # One node: every mesh dim is intra-node, whatever size a later plan's mesh has.
     devices_per_node = local if world > local else max(local, base.devices_per_node)
+    pairs = measure.pair_dims(shape, world, devices_per_node)
     show = runtime.rank == 0
     measure.note(f"{world} rank(s) on {runtime.device_type}, mesh {'x'.join(map(str, shape))}, "
                  f"{settings.repeats} repeats per measurement", show)
-    progress = measure.Progress(settings.steps + measure.comm_steps(shape, settings), show)
+    total = settings.steps + measure.comm_steps(shape, settings, pairs) + step_settings.steps
+    progress = measure.Progress(total, show)
     compute = measure.measure_compute(settings, runtime.device, progress)
-    comm = []
+    host = measure_step.measure_host(step_settings, runtime.device, settings.repeats, progress)
+    names = tuple(f"dim{i}" for i in range(len(shape)))
+    mesh = init_device_mesh(runtime.device_type, shape, mesh_dim_names=names)
+    optimizer = measure_step.measure_optimizer(step_settings, mesh, runtime.device, settings.repeats, progress)
+    comm, pair_comm = [], []
     if world > 1:
-        names = tuple(f"dim{i}" for i in range(len(shape)))
-        mesh = init_device_mesh(runtime.device_type, shape, mesh_dim_names=names)
         comm = measure.measure_comm(mesh, settings, runtime.device, progress)
+    if pairs:  # groups of two adjacent ranks: on one node, intra-node like every dim here
+        pair_mesh = init_device_mesh(runtime.device_type, (world // 2, 2), mesh_dim_names=("pair_outer", "pair"))
+        pair_comm = measure.measure_comm(pair_mesh, settings, runtime.device, progress, dims=(1,))
     if show:
-        _fit_and_save(args, base, compute, comm, shape, devices_per_node)
+        measured = Measured(compute, comm, pair_comm, host, optimizer)
+        _fit_and_save(args, base, measured, shape, devices_per_node)
     dist.barrier()
 
 
-def _fit_and_save(args, base, compute, comm, shape, devices_per_node) -> None:
-    from torchtitan_autoparallel.calibrate.fit import build_profile, fit_compute, fit_link
-    from torchtitan_autoparallel.calibrate.measure import intra_node_dims, note
+@dataclass(frozen=True)
+class Measured:
+    compute: list
+    comm: list  # over the mesh's dims
+    pair_comm: list  # over groups of two ranks, all intra-node
+    host: list
+    optimizer: list
+
+
+def _fit_and_save(args, base, m: Measured, shape, devices_per_node) -> None:
+    from torchtitan_autoparallel.calibrate.fit import build_profile, fit_compute, fit_link, fit_step
+    from torchtitan_autoparallel.calibrate.measure import intra_node_dims
 
     intra_dims = intra_node_dims(shape, devices_per_node)
-    intra = [s for s in comm if intra_dims[s.mesh_dim]]
-    inter = [s for s in comm if not intra_dims[s.mesh_dim]]
-    compute_fit = fit_compute(compute)
+    intra = [s for s in m.comm if intra_dims[s.mesh_dim]] + m.pair_comm
+    inter = [s for s in m.comm if not intra_dims[s.mesh_dim]]
+    compute_fit = fit_compute(m.compute)
     intra_fit = fit_link(intra) if intra else None
     inter_fit = fit_link(inter) if inter else None
-    profile = build_profile(args.name, base, compute_fit, intra_fit, inter_fit, devices_per_node)
+    step_fit = fit_step(m.host, m.optimizer)
+    profile = build_profile(args.name, base, compute_fit, intra_fit, inter_fit, devices_per_node, step_fit)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.to_json(out)
@@ -135,19 +154,33 @@ def _fit_and_save(args, base, compute, comm, shape, devices_per_node) -> None:
         "profile": profile.to_dict(),
         "mesh_shape": list(shape),
         "fit_rel_rms": {"compute": compute_fit.rel_rms, "intra_node": intra_fit and intra_fit.rel_rms,
-                        "inter_node": inter_fit and inter_fit.rel_rms},
+                        "inter_node": inter_fit and inter_fit.rel_rms, **step_fit.rel_rms},
         "kept_from_base": {"profile": base.name, "fields": kept},
-        "compute_samples": [asdict(s) for s in compute],
-        "comm_samples": [asdict(s) for s in comm],
+        "compute_samples": [asdict(s) for s in m.compute],
+        "comm_samples": [asdict(s) for s in m.comm],
+        "pair_comm_samples": [asdict(s) for s in m.pair_comm],
+        "host_samples": [asdict(s) for s in m.host],
+        "optimizer_samples": [asdict(s) for s in m.optimizer],
     }
     out.with_suffix(".samples.json").write_text(json.dumps(sidecar, indent=1) + "\n")
+    _report(profile, compute_fit, intra_fit, inter_fit, step_fit, kept, base, out)
+
+
+def _report(profile, compute_fit, intra_fit, inter_fit, step_fit, kept, base, out: Path) -> None:
+    from torchtitan_autoparallel.calibrate.measure import note
+
     peaks = ", ".join(f"{d} {v:.4g}" for d, v in profile.peak_tflops.items())
     note(f"compute: {peaks} TFLOP/s; memory {profile.mem_bandwidth_GBps:.4g} GB/s; "
          f"launch {profile.kernel_overhead_us:.3g} us (fit error {100 * compute_fit.rel_rms:.1f}% rms)", True)
     for label, fit in (("intra-node", intra_fit), ("inter-node", inter_fit)):
         if fit is not None:
-            note(f"{label} link: latency {fit.link.latency_us:.3g} us, bandwidth {fit.link.bandwidth_GBps:.4g} GB/s "
-                 f"(fit error {100 * fit.rel_rms:.1f}% rms)", True)
+            note(f"{label} link: latency {fit.link.latency_us:.3g} us, bandwidth {fit.link.bandwidth_GBps:.4g} GB/s, "
+                 f"{fit.link.call_overhead_us:.4g} us per call (fit error {100 * fit.rel_rms:.1f}% rms)", True)
+    note(f"host: {step_fit.host_us_per_node:.3g} us per graph node (fit error {100 * step_fit.rel_rms['host']:.1f}% rms)",
+         True)
+    note(f"optimizer (clip + AdamW): {step_fit.optimizer_us_per_tensor:.4g} us per tensor, "
+         f"{step_fit.optimizer_us_per_element * 1e3:.3g} ns per local element, {step_fit.optimizer_fixed_us:.4g} us "
+         f"per step (fit error {100 * step_fit.rel_rms['optimizer']:.1f}% rms)", True)
     if kept:
         note(f"not measured here, kept from profile {base.name!r}: {', '.join(kept)}", True)
     note(f"profile written to {out}; use it with --autoparallel.cost_profile {out}", True)

@@ -5,8 +5,13 @@ its rates, so each fit is one weighted linear least-squares problem:
 
 * compute: ``us = flops / F_dtype + overhead`` for matmuls and
   ``us = bytes / M + overhead`` for copies, one shared launch overhead;
-* one link: ``us = k * ((n-1) * latency + (n-1)/n * bytes / B)`` with k = 2
-  for all_reduce and 1 for all_gather, reduce_scatter and all_to_all.
+* one link: ``us = k * ((n-1) * latency + (n-1)/n * bytes / B) + call`` with
+  k = 2 for all_reduce and 1 for all_gather, reduce_scatter and all_to_all;
+  the per-call cost is fitted only when groups of two sizes were timed (with
+  one size it cannot be told from the latency, and stays 0);
+* the step outside the graph (``measure_step.py``): ``us = nodes * host + c``
+  for an FX graph of small ops, and ``us = tensors * a + elements * b + fixed``
+  for clipping plus AdamW.
 
 Rows are divided by the measured time, so the fit minimises relative error:
 a 20 us latency-bound message counts as much as a 20 ms bandwidth-bound one.
@@ -44,6 +49,30 @@ class CommSample:
     group_size: int
     bytes: float  # as the cost model counts them: full buffer, or the local shard for all_to_all
     us: float
+
+
+@dataclass(frozen=True)
+class HostSample:
+    nodes: int  # call_function nodes of the graph run
+    us: float
+
+
+@dataclass(frozen=True)
+class OptimizerSample:
+    tensors: int  # parameter tensors
+    elements: int  # local parameter elements on one rank, all tensors together
+    us: float  # one clip_grad_norm + AdamW step
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """The step's costs outside the planned graph; see HardwareProfile's fields of these names."""
+
+    host_us_per_node: float
+    optimizer_us_per_tensor: float
+    optimizer_us_per_element: float
+    optimizer_fixed_us: float
+    rel_rms: dict[str, float]  # "host", "optimizer"
 
 
 @dataclass(frozen=True)
@@ -95,21 +124,52 @@ def fit_compute(samples: list[ComputeSample]) -> ComputeFit:
 
 
 def fit_link(samples: list[CommSample]) -> LinkFit:
-    """One (latency, bandwidth) pair for collectives of every kind over the given groups."""
+    """One (latency, bandwidth, per-call cost) for collectives of every kind over the given groups."""
     if len({(s.group_size, s.bytes) for s in samples}) < 2:
         raise FitError("a link fit needs at least two distinct message sizes")
-    rows = np.zeros((len(samples), 2))
+    with_call = len({s.group_size for s in samples}) > 1
+    rows = np.zeros((len(samples), 3 if with_call else 2))
     for r, s in enumerate(samples):
         if s.kind not in COLLECTIVES:
             raise FitError(f"unknown collective {s.kind!r}; accepted: {', '.join(COLLECTIVES)}")
         k = 2.0 if s.kind == "all_reduce" else 1.0
         n = s.group_size
-        rows[r] = (k * (n - 1), k * (n - 1) / n * s.bytes)
+        rows[r, :2] = (k * (n - 1), k * (n - 1) / n * s.bytes)
+        if with_call:
+            rows[r, 2] = 1.0
     coef, rms = _solve(rows, np.array([s.us for s in samples]))
     if coef[1] <= 0:
         raise FitError("collective timings do not grow with message size; use larger messages")
-    # A latency fitted below zero is noise around a small true value.
-    return LinkFit(Link(latency_us=max(0.0, float(coef[0])), bandwidth_GBps=1.0 / coef[1] / 1e3), rms)
+    # A latency or call cost fitted below zero is noise around a small true value.
+    call = max(0.0, float(coef[2])) if with_call else 0.0
+    link = Link(latency_us=max(0.0, float(coef[0])), bandwidth_GBps=1.0 / coef[1] / 1e3, call_overhead_us=call)
+    return LinkFit(link, rms)
+
+
+def _positive(value: float) -> float:
+    # A cost fitted below zero is noise around a small true value.
+    return max(0.0, float(value))
+
+
+def fit_step(host: list[HostSample], optimizer: list[OptimizerSample]) -> StepFit:
+    """Per-node host time, and the optimizer's per-tensor, per-element and fixed costs."""
+    if len({s.nodes for s in host}) < 2:
+        raise FitError("the host fit needs graphs of at least two sizes")
+    if len({(s.tensors, s.elements) for s in optimizer}) < 3:
+        raise FitError("the optimizer fit needs at least three (tensors, elements) settings")
+    rows = np.array([[s.nodes, 1.0] for s in host], dtype=float)
+    host_coef, host_rms = _solve(rows, np.array([s.us for s in host]))
+    if host_coef[0] <= 0:
+        raise FitError("graph timings do not grow with the number of nodes; use larger graphs")
+    rows = np.array([[s.tensors, s.elements, 1.0] for s in optimizer], dtype=float)
+    opt_coef, opt_rms = _solve(rows, np.array([s.us for s in optimizer]))
+    return StepFit(
+        host_us_per_node=float(host_coef[0]),
+        optimizer_us_per_tensor=_positive(opt_coef[0]),
+        optimizer_us_per_element=_positive(opt_coef[1]),
+        optimizer_fixed_us=_positive(opt_coef[2]),
+        rel_rms={"host": host_rms, "optimizer": opt_rms},
+    )
 
 
 def build_profile(
@@ -119,6 +179,7 @@ def build_profile(
     intra: LinkFit | None,
     inter: LinkFit | None,
     devices_per_node: int,
+    step: StepFit | None = None,
 ) -> HardwareProfile:
     """``base`` with every measured parameter replaced; what was not measured keeps base's value.
 
@@ -141,4 +202,14 @@ def build_profile(
         intra_node=intra.link if intra else base.intra_node,
         inter_node=inter.link if inter else base.inter_node,
         devices_per_node=devices_per_node,
+        **(_step_fields(step) if step else {}),
     )
+
+
+def _step_fields(step: StepFit) -> dict[str, float]:
+    return {
+        "host_us_per_node": step.host_us_per_node,
+        "optimizer_us_per_tensor": step.optimizer_us_per_tensor,
+        "optimizer_us_per_element": step.optimizer_us_per_element,
+        "optimizer_fixed_us": step.optimizer_fixed_us,
+    }

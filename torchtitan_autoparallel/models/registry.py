@@ -25,13 +25,15 @@ class ModelEntry:
 
 
 def _llama3_configs() -> dict[str, Callable]:
-    from torchtitan.models.llama3 import llama3_configs
+    from torchtitan_autoparallel.cpu_compat import import_model_module
 
-    return llama3_configs
+    return import_model_module("torchtitan.models.llama3").llama3_configs
 
 
 def _qwen3_configs() -> dict[str, Callable]:
-    from torchtitan.models.qwen3 import qwen3_configs
+    from torchtitan_autoparallel.cpu_compat import import_model_module
+
+    qwen3_configs = import_model_module("torchtitan.models.qwen3").qwen3_configs
 
     # Mixture-of-experts flavors need expert parallelism, which we do not plan yet.
     return {k: v for k, v in qwen3_configs.items() if "moe" not in k and "-A" not in k}

@@ -156,11 +156,23 @@ def plan_stages(
     plan = plan_from_solution(solution, built, traced, timings)
     if spec is not None:
         add_overlap_prediction(plan, built, spec, solution.assignment)
+    _add_step_terms(plan, traced, profile)
     lap("plan")
     plan.peak_rss_gib = peak_rss
     plan.timings["total"] = time.perf_counter() - start
     log.info("planner total %.2f s", plan.timings["total"])
     return PlannedStages(plan, traced, built, solution)
+
+
+def _add_step_terms(plan: Plan, traced, profile: HardwareProfile) -> None:
+    """Host and optimizer time beside the planned graph's (step_terms.py: not in the objective)."""
+    import operator
+
+    from torchtitan_autoparallel.planner.step_terms import add_step_terms
+
+    shapes = {fqn: tuple(node.meta["val"].shape) for fqn, node in traced.params.items()}
+    nodes = sum(1 for n in traced.graph.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+    add_step_terms(plan, shapes, nodes, profile)
 
 
 def _peak_rss_gib() -> float:

@@ -82,7 +82,8 @@ def collective_time_us(kind: str, bytes_full: float, group_size: int, link: Link
     all_reduce:                  reduce_scatter + all_gather (2x the above)
     all_to_all:                  (n-1)*latency + (n-1)/n * bytes_full / bw
     where bytes_full is the full (gathered / unreduced) buffer on one device for
-    the first three and the local shard each rank holds for all_to_all.
+    the first three and the local shard each rank holds for all_to_all; plus
+    the link's fixed ``call_overhead_us`` per call.
     """
     if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective {kind!r}; expected one of {COLLECTIVES}")
@@ -91,7 +92,7 @@ def collective_time_us(kind: str, bytes_full: float, group_size: int, link: Link
         return 0.0
     bytes_per_us = link.bandwidth_GBps * _BYTES_PER_US_PER_GBPS
     one_pass = (n - 1) * link.latency_us + (n - 1) / n * bytes_full / bytes_per_us
-    return 2.0 * one_pass if kind == "all_reduce" else one_pass
+    return (2.0 * one_pass if kind == "all_reduce" else one_pass) + link.call_overhead_us
 
 
 # ---------------------------------------------------------------- placements

@@ -13,18 +13,27 @@ from pathlib import Path
 from typing import Any
 
 PEAK_DTYPES = ("float32", "bfloat16", "float16")
+# Fields with a default of 0, so that profiles saved before they existed still load.
+_STEP_FIELDS = ("host_us_per_node", "optimizer_us_per_tensor", "optimizer_us_per_element", "optimizer_fixed_us")
 
 
 @dataclass(frozen=True)
 class Link:
-    """One communication link class: per-message latency and per-GPU bandwidth."""
+    """One communication link class: per-hop latency, per-GPU bandwidth and a fixed cost per call.
+
+    ``call_overhead_us`` is paid once per collective whatever the group size:
+    issuing it and waking the ranks' communication threads. It is 0 on the
+    built-in GPU profiles; a calibration on ranks that share CPU cores fits it
+    (tens of ms of scheduling there, see docs/cost_model.md).
+    """
 
     latency_us: float
     bandwidth_GBps: float
+    call_overhead_us: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.latency_us < 0 or self.bandwidth_GBps <= 0:
-            raise ValueError(f"bad Link {self}: need latency_us >= 0 and bandwidth_GBps > 0")
+        if self.latency_us < 0 or self.bandwidth_GBps <= 0 or self.call_overhead_us < 0:
+            raise ValueError(f"bad Link {self}: need latency_us >= 0, bandwidth_GBps > 0 and call_overhead_us >= 0")
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,12 @@ class HardwareProfile:
     inter_node: Link
     compute_efficiency: float  # fraction of peak that large matmuls reach
     kernel_overhead_us: float  # fixed cost per launched kernel
+    # The step's costs outside the planned graph (calibrate/measure_step.py);
+    # 0 (not modelled) in the built-in profiles and in profiles saved before them.
+    host_us_per_node: float = 0.0  # host time to run one node of the executed graph
+    optimizer_us_per_tensor: float = 0.0  # clipping + AdamW, per parameter tensor
+    optimizer_us_per_element: float = 0.0  # ... per local parameter element
+    optimizer_fixed_us: float = 0.0  # ... per step (clipping's one all-reduce of a scalar)
 
     def __post_init__(self) -> None:
         missing = [k for k in PEAK_DTYPES if k not in self.peak_tflops]
@@ -50,6 +65,9 @@ class HardwareProfile:
             raise ValueError(f"profile {self.name!r}: compute_efficiency must be in (0, 1]")
         if self.kernel_overhead_us < 0:
             raise ValueError(f"profile {self.name!r}: kernel_overhead_us must be >= 0")
+        negative = [k for k in _STEP_FIELDS if getattr(self, k) < 0]
+        if negative:
+            raise ValueError(f"profile {self.name!r}: {', '.join(negative)} must be >= 0")
 
     # The dict field would make the generated hash fail; hashing its sorted
     # items keeps profiles usable as lru_cache keys.  Treat the dict as frozen.
@@ -64,6 +82,7 @@ class HardwareProfile:
                 self.inter_node,
                 self.compute_efficiency,
                 self.kernel_overhead_us,
+                *(getattr(self, k) for k in _STEP_FIELDS),
             )
         )
 
@@ -74,7 +93,7 @@ class HardwareProfile:
     def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - names)
-        missing = sorted(names - set(data))
+        missing = sorted(names - set(data) - set(_STEP_FIELDS))  # older profiles lack those: 0
         if unknown or missing:
             raise ValueError(f"bad hardware profile: missing fields {missing}, unknown fields {unknown}")
         kwargs = dict(data)
@@ -82,8 +101,9 @@ class HardwareProfile:
         kwargs["intra_node"] = Link(**data["intra_node"])
         kwargs["inter_node"] = Link(**data["inter_node"])
         kwargs["devices_per_node"] = int(data["devices_per_node"])
-        for key in ("mem_bandwidth_GBps", "compute_efficiency", "kernel_overhead_us"):
-            kwargs[key] = float(data[key])
+        for key in ("mem_bandwidth_GBps", "compute_efficiency", "kernel_overhead_us", *_STEP_FIELDS):
+            if key in data:
+                kwargs[key] = float(data[key])
         return cls(**kwargs)
 
     def to_json(self, path: str | Path) -> None:

@@ -32,8 +32,14 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def predicted_step_us(plan: Plan) -> float:
-    """Compute plus communication, less what overlapping them saves (0 until overlap lands)."""
-    return plan.predicted["total_us"] - plan.predicted.get("overlap_savings_us", 0.0)
+    """Compute plus communication, less what overlapping them saves, plus host and optimizer time.
+
+    Plans written before the host and optimizer terms count them as 0
+    (``planner/step_terms.py``).
+    """
+    from torchtitan_autoparallel.planner.step_terms import plan_terms
+
+    return plan_terms(plan).total_us
 
 
 def peak_activation_bytes(plan: Plan) -> float | None:

@@ -97,6 +97,8 @@ def _cost_section(plan: Plan) -> str:
         ("comm_us", p["comm_us"], "communication"),
         ("overlap_savings_us", overlap, "saved by overlap"),
         ("total_us", p["total_us"], "compute + communication"),
+        ("host_us", p.get("host_us", 0.0), "host time per graph node (calibrated profiles)"),
+        ("optimizer_us", p.get("optimizer_us", 0.0), "clipping + AdamW (calibrated profiles)"),
         ("step_us", step, "predicted step time"),
     ]
     body = "".join(f"<tr><th>{_e(name)}</th>{_num(key, float(v), fmt_us(v))}</tr>" for key, v, name in rows)

@@ -163,20 +163,37 @@ class AutoTraining(Training):
 
     def _compile(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         from torchtitan_autoparallel.execute.compiled import graph_collectives
+        from torchtitan_autoparallel.execute.graph_cache import compile_cached
 
         start = time.perf_counter()
-        self.planned.overlap_execution = self.job.autoparallel.overlap_execution
-        self.planned.bucket_collectives = self.job.autoparallel.bucket_collectives
-        self.planned.compile_local(inputs, labels)
+        a = self.job.autoparallel
+        self.planned.overlap_execution = a.overlap_execution
+        self.planned.bucket_collectives = a.bucket_collectives
+        cache = Path(self.job.job.dump_folder) / "plan_cache" / "graphs" if a.plan_cache else None
+        loaded = compile_cached(self.planned, inputs, labels, cache)
         counts = dict(sorted(graph_collectives(self.planned.local_graph).items()))
         logger.info(
-            f"step compiled into a local-tensor graph in {time.perf_counter() - start:.1f} s "
+            f"step {'loaded from the compiled-step cache' if loaded else 'compiled into a local-tensor graph'} "
+            f"in {time.perf_counter() - start:.1f} s "
             f"({len(self.planned.local_graph.graph.nodes)} nodes; collectives {counts})"
         )
         merged = self.planned.bucket_stats
         logger.info(f"bucketing: {merged.summary() if merged else 'off (one collective per tensor)'}")
         stats = self.planned.overlap_stats
         logger.info(f"overlap_execution: {stats.summary() if stats else 'off (collectives run where traced)'}")
+        self._reprice_prediction()
+
+    def _reprice_prediction(self) -> None:
+        """The plan check prices the compiled graph: its bucketed collectives and its node count."""
+        from torchtitan_autoparallel.execute.graph_cost import graph_cost
+
+        profile = resolve_profile(self.job, self.runtime)
+        try:
+            cost = graph_cost(self.planned.local_graph, self.planned.mesh, profile)
+        except ValueError as e:  # a prediction must not stop training: keep the plan's
+            logger.warning(f"plan check: keeps the plan's prediction, the compiled graph cannot be priced: {e}")
+            return
+        self.metrics.use_compiled_graph(cost, profile)
 
     def global_loss(self, local_loss: torch.Tensor) -> float:
         return float(local_loss)  # the planned step already reduces the loss

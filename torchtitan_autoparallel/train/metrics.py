@@ -115,6 +115,20 @@ class MetricsLogger:
             write_plan_to_tensorboard(self.tb, plan)
         self._step_start = time.perf_counter()
 
+    def use_compiled_graph(self, cost, profile) -> None:
+        """Reprice the prediction from the compiled step's graph (``execute.graph_cost.GraphCost``).
+
+        Called during the step that compiles; TensorBoard gets the repriced terms at that step.
+        """
+        if self.plan_check is None:
+            return
+        from torchtitan_autoparallel.train.plan_check import write_graph_terms_to_tensorboard
+
+        self.plan_check.use_graph(cost, profile)
+        logger.info(f"plan check: predicted step repriced from the compiled graph: {self.plan_check.terms_text()}")
+        if self.tb is not None:
+            write_graph_terms_to_tensorboard(self.tb, self.plan_check, self._logged_step + 1)
+
     def add_tokens(self, global_tokens: int) -> None:
         """Called once per step, after it: also times the step for the plan check."""
         self._tokens += global_tokens

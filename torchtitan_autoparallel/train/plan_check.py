@@ -3,28 +3,47 @@
 ``MetricsLogger`` owns one ``PlanCheck`` when the run trains a planned
 (automatic) model. The measured step time is the mean wall time of the steps
 after the first ``WARMUP_STEPS`` (which pay for lazy initialisation, the
-allocator's growth and, on GPU, kernel autotuning), so the ratio compares the
-cost model with the steady state it models.
+allocator's growth, the compile of the step and, on GPU, kernel autotuning),
+so the ratio compares the cost model with the steady state it models.
+
+The prediction starts as the plan's (``planner/step_terms.py``: compute,
+communication, host time per node, optimizer). Once the step is compiled,
+``use_graph`` reprices the communication and the host time from the graph
+the executor runs (bucketed collectives, its own node count), so the
+prediction prices the program that is measured.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torchtitan_autoparallel.planner.plan import Plan
-from torchtitan_autoparallel.report.common import predicted_step_us
+from torchtitan_autoparallel.planner.step_terms import StepTerms, host_us, plan_terms
 
 WARMUP_STEPS = 2
+# StepTerms field -> metrics key stem (predicted_<stem>_s)
+_TERM_KEYS = {"compute_us": "compute", "comm_us": "comm", "overlap_savings_us": "overlap",
+              "host_us": "host", "optimizer_us": "optimizer"}
 
 
 @dataclass
 class PlanCheck:
-    predicted_step_s: float
+    terms: StepTerms
+    source: str = "plan"  # or "compiled graph", once use_graph ran
     step_seconds: list[float] = field(default_factory=list)  # wall time of each step, step 1 first
 
     @classmethod
     def of(cls, plan: Plan) -> PlanCheck:
-        return cls(predicted_step_us(plan) / 1e6)
+        return cls(plan_terms(plan))
+
+    @property
+    def predicted_step_s(self) -> float:
+        return self.terms.total_us / 1e6
+
+    def use_graph(self, cost, profile) -> None:
+        """Price what the compiled step runs (an ``execute.graph_cost.GraphCost``) instead of the plan's estimate."""
+        self.terms = replace(self.terms, comm_us=cost.comm_us, host_us=host_us(cost.nodes, profile))
+        self.source = "compiled graph"
 
     def add_step(self, seconds: float) -> None:
         self.step_seconds.append(seconds)
@@ -35,8 +54,9 @@ class PlanCheck:
         return sum(steady) / len(steady) if steady else None
 
     def fields(self) -> dict[str, float]:
-        """What each metrics record gains: the prediction, and the measurement once steady."""
+        """What each metrics record gains: the prediction and its terms, and the measurement once steady."""
         out = {"predicted_step_s": self.predicted_step_s}
+        out.update({f"predicted_{stem}_s": getattr(self.terms, k) / 1e6 for k, stem in _TERM_KEYS.items()})
         measured = self.measured_step_s()
         if measured is not None:
             out["measured_step_s"] = measured
@@ -49,19 +69,37 @@ class PlanCheck:
         shown = "warm-up" if measured is None else f"{measured * 1e3:.1f}ms"
         return f"  step_time: {shown} (plan {self.predicted_step_s * 1e3:.1f}ms)"
 
+    def terms_text(self) -> str:
+        t = self.terms
+        overlap = f" - overlap {t.overlap_savings_us / 1e3:.1f}" if t.overlap_savings_us else ""
+        return (f"compute {t.compute_us / 1e3:.1f} + comm {t.comm_us / 1e3:.1f}{overlap} + host {t.host_us / 1e3:.1f} "
+                f"+ optimizer {t.optimizer_us / 1e3:.1f} ms, from the {self.source}")
+
     def summary(self) -> str:
         measured = self.measured_step_s()
+        predicted = f"plan check: predicted {self.predicted_step_s * 1e3:.3f} ms/step ({self.terms_text()})"
         if measured is None:
             return (
-                f"plan check: predicted {self.predicted_step_s * 1e3:.3f} ms/step; measured: none, "
-                f"{len(self.step_seconds)} step(s) leave no steady state (the first {WARMUP_STEPS} are warm-up)"
+                f"{predicted}; measured: none, {len(self.step_seconds)} step(s) leave no steady state "
+                f"(the first {WARMUP_STEPS} are warm-up)"
             )
         n = len(self.step_seconds) - WARMUP_STEPS
         f = self.fields()
         return (
-            f"plan check: predicted {self.predicted_step_s * 1e3:.3f} ms/step, measured {measured * 1e3:.3f} ms/step "
+            f"{predicted}, measured {measured * 1e3:.3f} ms/step "
             f"(mean of steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + n}), measured/predicted {f['measured_over_predicted']:.2f}"
         )
+
+
+def _term_scalars(terms: StepTerms) -> dict[str, float]:
+    return {
+        "plan/predicted_compute_ms": terms.compute_us / 1e3,
+        "plan/predicted_comm_ms": terms.comm_us / 1e3,
+        "plan/predicted_overlap_ms": terms.overlap_savings_us / 1e3,
+        "plan/predicted_host_ms": terms.host_us / 1e3,
+        "plan/predicted_optimizer_ms": terms.optimizer_us / 1e3,
+        "plan/predicted_step_ms": terms.total_us / 1e3,
+    }
 
 
 def write_plan_to_tensorboard(tb, plan: Plan) -> None:
@@ -69,14 +107,8 @@ def write_plan_to_tensorboard(tb, plan: Plan) -> None:
     from torchtitan_autoparallel.report.common import peak_activation_bytes
     from torchtitan_autoparallel.report.figures import plan_image
 
-    p = plan.predicted
-    scalars = {
-        "plan/predicted_compute_ms": p["compute_us"] / 1e3,
-        "plan/predicted_comm_ms": p["comm_us"] / 1e3,
-        "plan/predicted_overlap_ms": p.get("overlap_savings_us", 0.0) / 1e3,
-        "plan/predicted_step_ms": predicted_step_us(plan) / 1e3,
-        "plan/param_gib_per_device": p["param_bytes_per_device"] / 2**30,
-    }
+    scalars = _term_scalars(plan_terms(plan))
+    scalars["plan/param_gib_per_device"] = plan.predicted["param_bytes_per_device"] / 2**30
     peak = peak_activation_bytes(plan)
     if peak is not None:
         scalars["plan/peak_activation_gib_per_device"] = peak / 2**30
@@ -85,6 +117,13 @@ def write_plan_to_tensorboard(tb, plan: Plan) -> None:
     # Four leading spaces make TensorBoard's markdown keep the table's columns.
     tb.add_text("plan/table", "\n".join("    " + line for line in plan.table().splitlines()), 0)
     tb.add_image("plan/figure", plan_image(plan), 0, dataformats="HWC")
+    tb.flush()
+
+
+def write_graph_terms_to_tensorboard(tb, check: PlanCheck, step: int) -> None:
+    """The prediction repriced from the compiled graph, at the step that compiled it."""
+    for tag, value in _term_scalars(check.terms).items():
+        tb.add_scalar(tag, value, step)
     tb.flush()
 
 

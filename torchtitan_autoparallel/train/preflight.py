@@ -43,17 +43,21 @@ def _check_cost_profile(name: str) -> None:
         raise ConfigError(f"autoparallel.cost_profile: {e}") from None
 
 
+def parse_ngpu(text: str) -> int:
+    try:
+        ngpu = int(text)
+    except ValueError:
+        raise ConfigError(f"NGPU={text!r} is not a number; accepted: a positive integer") from None
+    if ngpu < 1:
+        raise ConfigError(f"NGPU={ngpu}; accepted: a positive integer")
+    return ngpu
+
+
 def main(argv: list[str]) -> int:
     try:
         if len(argv) < 2 or argv[0] != "--ngpu":
             raise ConfigError("usage: preflight --ngpu N [--section.key value ...]")
-        try:
-            ngpu = int(argv[1])
-        except ValueError:
-            raise ConfigError(f"NGPU={argv[1]!r} is not a number; accepted: a positive integer") from None
-        if ngpu < 1:
-            raise ConfigError(f"NGPU={ngpu}; accepted: a positive integer")
-        check(load_config(argv[2:]), ngpu)
+        check(load_config(argv[2:]), parse_ngpu(argv[1]))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

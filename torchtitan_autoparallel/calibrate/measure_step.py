@@ -1,0 +1,116 @@
+"""Timings of the step's costs outside the planned graph: host time per node, and the optimizer.
+
+The cost model prices the planned graph's kernels and collectives; a training
+step also pays
+
+* host time per node: the compiled step (``execute/compiled.py``) is an FX
+  GraphModule whose generated Python calls one ATen op per node. On small
+  shapes that call, not the kernel, is the time, and where ranks share CPU
+  cores each rank gets only its share of one. ``measure_host`` runs such
+  graphs of small ops on every rank at once, so the sharing is in the timing;
+* the optimizer: clipping by the global norm (one all-reduce of a scalar)
+  and AdamW over each rank's parameter shards, run by the trainer's own
+  functions on DTensor parameters over the live mesh, so DTensor's per-op
+  dispatch (a cost per tensor) and the all-reduce are in the timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from torchtitan_autoparallel.calibrate.fit import HostSample, OptimizerSample
+
+# ATen ops of a typical compiled step on small tensors: views, transposes and
+# elementwise math, one node each (six per round of _host_graph).
+_SIDE = 16
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    host_nodes: tuple[int, ...]  # graph sizes, in call_function nodes
+    optimizer: tuple[tuple[int, int], ...]  # (tensors, local elements per tensor)
+
+    @property
+    def steps(self) -> int:
+        return len(self.host_nodes) + len(self.optimizer)
+
+
+def default_step_settings() -> StepSettings:
+    # Around the debug models' ~2,000 nodes and ~50 tensors of 10^4-10^6 elements.
+    return StepSettings((300, 1200, 2400), ((8, 4096), (32, 4096), (8, 65536), (32, 65536), (16, 262144)))
+
+
+def host_graph(nodes: int) -> fx.GraphModule:
+    """A chain of ``nodes`` ATen calls (rounded down to whole rounds of six) on a 16x16 tensor."""
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    for _ in range(max(1, nodes // 6)):
+        flat = g.call_function(aten.view.default, (x, [_SIDE * _SIDE]))
+        added = g.call_function(aten.add.Tensor, (flat, flat))
+        scaled = g.call_function(aten.mul.Scalar, (added, 0.5))
+        square = g.call_function(aten.view.default, (scaled, [_SIDE, _SIDE]))
+        turned = g.call_function(aten.t.default, (square,))
+        x = g.call_function(aten.t.default, (turned,))
+    g.output(x)
+    return fx.GraphModule(nn.Module(), g)
+
+
+def graph_nodes(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
+
+
+def measure_host(settings: StepSettings, device: torch.device, repeats: int, progress) -> list[HostSample]:
+    from torchtitan_autoparallel.calibrate.measure import time_us
+
+    x = torch.randn(_SIDE, _SIDE, device=device)
+    samples = []
+    for size in settings.host_nodes:
+        gm = host_graph(size)
+        nodes = graph_nodes(gm)
+        with torch.no_grad():
+            us = time_us(lambda: gm(x), repeats, device)
+        samples.append(HostSample(nodes, us))
+        progress.step(f"FX graph of {nodes} small ops ({us / nodes:.1f} us/node)", us)
+    return samples
+
+
+def measure_optimizer(settings: StepSettings, mesh, device: torch.device, repeats: int, progress) -> list[OptimizerSample]:
+    from torchtitan_autoparallel.calibrate.measure import time_us
+
+    samples = []
+    for tensors, per_tensor in settings.optimizer:
+        step = _optimizer_step(mesh, device, tensors, per_tensor)
+        us = time_us(step, repeats, device)
+        samples.append(OptimizerSample(tensors, tensors * per_tensor, us))
+        progress.step(f"clip + AdamW, {tensors} tensors x {per_tensor:,} local elements", us)
+    return samples
+
+
+def _optimizer_step(mesh, device: torch.device, tensors: int, per_tensor: int):
+    """One training step's clipping and AdamW over DTensor shards, as ``execute/optim.optimizer_step`` runs them."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from torchtitan_autoparallel.execute.optim import clip_grad_norm
+
+    placements = [Shard(0)] * mesh.ndim  # sharded like FSDP's parameters: the common case
+
+    def sharded() -> DTensor:
+        return DTensor.from_local(torch.randn(per_tensor, device=device), mesh, placements, run_check=False)
+
+    params = [nn.Parameter(sharded()) for _ in range(tensors)]
+    grads = [sharded() for _ in range(tensors)]
+    # As train/optim.build_optimizer builds it: per-parameter (foreach=False) AdamW.
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=False)
+
+    def step() -> None:
+        for p, g in zip(params, grads):
+            p.grad = g
+        clip_grad_norm(params, mesh, max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step

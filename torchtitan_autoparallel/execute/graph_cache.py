@@ -1,0 +1,216 @@
+"""A cache of each rank's compiled step, so a restart with the same plan skips ``compile``.
+
+Compiling the step re-traces the planned DTensor interpretation with
+``make_fx`` (``compiled.py``), which costs several seconds per rank even for
+the debug model: on a plan-cache hit it was most of the start-up. The
+compiled graph depends only on the traced step, the chosen strategies, the
+local batch shapes, this rank's coordinates and the graph passes, so it is
+stored per rank under a key over exactly those, beside the plan cache.
+
+Loading is all or nothing: the ranks run collectives whose order is baked
+into their graphs, so a run either loads every rank's graph or compiles on
+every rank (one small all-gather decides). A stored graph also names the
+process groups it calls by their registered names; those must resolve in
+this run to groups over the same global ranks, else it is not used.
+
+Entries are the graph node for node (``graph_io.py``) plus any constants the
+trace recorded, pickled and loaded with ``weights_only=False``: like a
+checkpoint, the cache folder must be one you trust.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from torchtitan_autoparallel.execute.bucketing import check_same_buckets
+from torchtitan_autoparallel.execute.cache import package_version
+from torchtitan_autoparallel.execute.graph_io import PackedGraph, pack, unpack
+from torchtitan_autoparallel.execute.overlap import is_collective
+from torchtitan_autoparallel.execute.step import PlannedStep
+
+log = logging.getLogger("torchtitan_autoparallel.execute")
+
+# Bump when the entry layout or what a stored graph means changes.
+FORMAT_VERSION = 1
+
+
+class GraphEntryError(ValueError):
+    """A stored graph that must not be used; the message says why."""
+
+
+@dataclass
+class GraphEntry:
+    key: str
+    graph: fx.GraphModule
+    groups: dict[str, list[int]]  # process-group name -> its global ranks, when compiled
+    bucket_stats: object
+    overlap_stats: object
+
+
+def graph_key(planned: PlannedStep, local_tokens: torch.Tensor, local_labels: torch.Tensor) -> str:
+    """Everything the compiled graph of this rank depends on, hashed."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    parts = [
+        f"format {FORMAT_VERSION} package {package_version()} torch {torch.__version__}",
+        f"rank {rank} of {world}; mesh {planned.mesh.mesh.tolist()} {planned.mesh.mesh_dim_names}",
+        f"device {planned.mesh.device_type}; portable {planned.portable_kernels}",
+        f"bucket {planned.bucket_collectives}; overlap {planned.overlap_execution}",
+        f"batch {_describe(local_tokens)} {_describe(local_labels)}",
+        planned.traced.graph.code,
+        *(f"{node.name}: {strategy!r}" for node, strategy in planned.chosen.items()),
+        *(f"{fqn}: {tuple(p.placements)} {tuple(p.shape)} {p.dtype}" for fqn, p in planned.params.items()),
+        *(f"{name}: {tuple(b.placements)} {tuple(b.shape)} {b.dtype}" for name, b in planned.buffers.items()),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def compile_cached(
+    planned: PlannedStep, local_tokens: torch.Tensor, local_labels: torch.Tensor, cache_dir: Path | None
+) -> bool:
+    """Set ``planned.local_graph``: loaded when every rank has a valid entry, else compiled
+    (and stored when ``cache_dir`` is given). Returns whether the graph was loaded."""
+    if cache_dir is None:
+        planned.compile_local(local_tokens, local_labels)
+        return False
+    key = graph_key(planned, local_tokens, local_labels)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = Path(cache_dir) / f"rank{rank}-{key}.pt"
+    entry = _try_load(path, key)
+    if _everyone(entry is not None):
+        assert entry is not None
+        _install(planned, entry)
+        log.info("compiled-step cache hit: %s (compile skipped)", path)
+        return True
+    if entry is not None:
+        log.info("compiled-step cache: another rank has no valid entry; compiling on every rank")
+    planned.compile_local(local_tokens, local_labels)
+    _store(path, key, planned)
+    return False
+
+
+def load_entry(path: Path, key: str) -> GraphEntry:
+    """The stored graph, checked against this run; raises ``GraphEntryError``."""
+    try:
+        raw = torch.load(path, weights_only=False)
+    except Exception as e:  # unpickling can fail in many ways; all mean "do not use it"
+        raise GraphEntryError(f"unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(raw, dict):
+        raise GraphEntryError("not a stored graph entry")
+    if raw.get("format_version") != FORMAT_VERSION:
+        raise GraphEntryError(f"format_version {raw.get('format_version')!r}, expected {FORMAT_VERSION}")
+    if raw.get("key") != key or not isinstance(raw.get("graph"), PackedGraph):
+        raise GraphEntryError("stored key or graph does not match this run")
+    try:
+        graph = unpack(raw["graph"])
+    except Exception as e:  # e.g. an op this torch no longer has
+        raise GraphEntryError(f"graph does not rebuild ({type(e).__name__}: {e})") from None
+    entry = GraphEntry(key, graph, dict(raw.get("groups", {})), raw.get("bucket_stats"), raw.get("overlap_stats"))
+    _check_groups(entry)
+    return entry
+
+
+def used_groups(gm: fx.GraphModule) -> dict[str, list[int] | None]:
+    """Process-group name -> its global ranks in this run (None: no such group), for every
+    group a collective of ``gm`` names."""
+    groups: dict[str, list[int] | None] = {}
+    for name in sorted(set(_named_groups(gm))):
+        try:
+            groups[name] = dist.get_process_group_ranks(_resolve(name))
+        except (KeyError, ValueError, RuntimeError):
+            groups[name] = None
+    return groups
+
+
+def _try_load(path: Path, key: str) -> GraphEntry | None:
+    if not path.exists():
+        log.info("compiled-step cache miss: %s", path)
+        return None
+    try:
+        return load_entry(path, key)
+    except GraphEntryError as e:
+        log.warning("compiled-step cache entry %s ignored: %s; compiling again", path, e)
+        return None
+
+
+def _install(planned: PlannedStep, entry: GraphEntry) -> None:
+    planned.local_graph = entry.graph
+    planned.bucket_stats = entry.bucket_stats
+    planned.overlap_stats = entry.overlap_stats
+    if entry.bucket_stats is not None:  # as after a compile: the ranks must have merged alike
+        check_same_buckets(entry.bucket_stats)
+
+
+def _store(path: Path, key: str, planned: PlannedStep) -> None:
+    """Write atomically; failing to write only costs the next start-up a compile."""
+    gm = planned.local_graph
+    assert gm is not None
+    entry = {
+        "format_version": FORMAT_VERSION,
+        "key": key,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "graph": pack(gm),
+        "groups": used_groups(gm),
+        "bucket_stats": planned.bucket_stats,
+        "overlap_stats": planned.overlap_stats,
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(entry, f, pickle_protocol=4)  # 2, the default, fails on torch.memory_format
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except Exception as e:
+        log.warning("compiled-step cache entry %s not written: %s", path, e)
+
+
+def _check_groups(entry: GraphEntry) -> None:
+    for name, ranks in used_groups(entry.graph).items():
+        if ranks is None or entry.groups.get(name) != ranks:
+            was = entry.groups.get(name, "unrecorded")
+            raise GraphEntryError(f"process group {name!r} was over ranks {was}, now {ranks or 'no such group'}")
+
+
+def _named_groups(gm: fx.GraphModule) -> list[str]:
+    """The group-name arguments of the collectives (the last string argument of each call:
+    the others name reduce ops)."""
+    names = []
+    for node in gm.graph.nodes:
+        if is_collective(node):
+            strings = [a for a in node.args if isinstance(a, str)]
+            if strings:
+                names.append(strings[-1])
+    return names
+
+
+def _everyone(mine: bool) -> bool:
+    """True when every rank says True (ranks must all load, or all compile)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return mine
+    votes: list[bool | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(votes, mine)
+    return all(votes)
+
+
+def _resolve(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype}"

@@ -1,0 +1,73 @@
+"""The cost model applied to the graph the executor actually runs.
+
+The plan prices one collective per tensor redistribution and the planned
+graph's nodes. The compiled step (``compiled.py``) runs a different program:
+bucketing merges the per-tensor all-gathers and reduce-scatters into a few
+large calls, and DTensor's redistributions and decompositions add nodes. A
+prediction compared with a measured step must price that program: here its
+collectives go through the same ``collective_time_us`` with the profile's
+links, and its nodes are counted for the per-node host cost.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from torchtitan_autoparallel.planner.cost_model import collective_time_us, mesh_dim_links
+from torchtitan_autoparallel.planner.profiles import HardwareProfile
+
+# Functional collective -> cost-model kind; waits are not collectives.
+_KINDS = {
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_to_all_single": "all_to_all",
+}
+
+
+@dataclass(frozen=True)
+class GraphCost:
+    nodes: int  # ATen calls the executor makes per step (getitem of a tuple is no call)
+    collectives: dict[str, int]  # kind -> calls per step
+    comm_us: float
+
+
+def graph_cost(gm: fx.GraphModule, mesh, profile: HardwareProfile) -> GraphCost:
+    links = mesh_dim_links(tuple(mesh.mesh.shape), profile)
+    dims = {mesh.get_group(i).group_name: i for i in range(mesh.ndim)}
+    nodes, calls, comm = 0, Counter(), 0.0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        nodes += 1
+        kind = _kind(node)
+        if kind is None:
+            continue
+        group = next(a for a in reversed(node.args) if isinstance(a, str))
+        if group not in dims:
+            raise ValueError(f"{node.name}: {kind} over group {group!r}, which is no dim of the mesh")
+        dim = dims[group]
+        calls[kind] += 1
+        comm += collective_time_us(kind, _charged_bytes(node, kind), mesh.size(dim), links[dim])
+    return GraphCost(nodes, dict(sorted(calls.items())), comm)
+
+
+def _kind(node: fx.Node) -> str | None:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
+        return None
+    return _KINDS.get(target._schema.name.split("::")[-1])
+
+
+def _charged_bytes(node: fx.Node, kind: str) -> float:
+    """As ``collective_time_us`` counts them: the gathered output, else the input buffer."""
+    source = node if kind == "all_gather" else node.args[0]
+    val = source.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise ValueError(f"{node.name}: {kind} whose buffer has no recorded shape (meta['val'] of {source.name})")
+    return float(val.numel() * val.element_size())

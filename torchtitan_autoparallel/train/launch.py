@@ -1,0 +1,71 @@
+"""Check a job, then start its ranks, in one process: what ``run_train.sh`` runs.
+
+    python -m torchtitan_autoparallel.train.launch --ngpu N|auto [torchrun options] -- -m MODULE ARGS...
+
+Counting the GPUs, the preflight check (``preflight.py``) and torchrun each
+used to be a separate Python process, and each paid for importing torch (and
+the check for torchtitan's models) before any rank started: several seconds of
+a start-up that should take a few on a cached plan. Here they share one
+interpreter: the GPU count and the check happen first, and torchrun's own
+``main`` then starts the ranks, exactly as ``python -m torch.distributed.run``.
+
+With ``COMM_MODE=fake_backend`` no ranks are started: the module runs in this
+process, playing rank 0 of NGPU ranks on a fake process group.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from torchtitan_autoparallel.config import load_config
+from torchtitan_autoparallel.errors import ConfigError, UserError
+from torchtitan_autoparallel.train.preflight import check, parse_ngpu
+
+CPU_DEFAULT_RANKS = 4
+
+
+def main(argv: list[str]) -> int:
+    try:
+        ngpu_arg, torchrun_args, module, module_args = _split(argv)
+        gpus = _gpu_count()
+        ngpu = parse_ngpu(ngpu_arg) if ngpu_arg != "auto" else (gpus or CPU_DEFAULT_RANKS)
+        if module == "torchtitan_autoparallel.train.main":
+            check(load_config(module_args), ngpu)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if gpus == 0:
+        # CPU ranks share the cores: give each an equal slice so they don't thrash.
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ngpu)))
+    if os.environ.get("COMM_MODE") == "fake_backend" and module == "torchtitan_autoparallel.train.main":
+        os.environ["NGPU"] = str(ngpu)
+        sys.argv = [module, *module_args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return 0  # the module exits itself; reached only if it returns
+    from torch.distributed.run import main as torchrun
+
+    torchrun(["--nproc-per-node", str(ngpu), *torchrun_args, "-m", module, *module_args])
+    return 0
+
+
+def _split(argv: list[str]) -> tuple[str, list[str], str, list[str]]:
+    """``--ngpu N [torchrun options] -- -m MODULE ARGS`` -> its four parts."""
+    if len(argv) < 2 or argv[0] != "--ngpu" or "--" not in argv:
+        raise ConfigError("usage: launch --ngpu N|auto [torchrun options] -- -m MODULE [ARGS...]")
+    cut = argv.index("--")
+    rest = argv[cut + 1 :]
+    if len(rest) < 2 or rest[0] != "-m":
+        raise ConfigError("usage: launch --ngpu N|auto [torchrun options] -- -m MODULE [ARGS...]")
+    return argv[1], argv[2:cut], rest[1], rest[2:]
+
+
+def _gpu_count() -> int:
+    import torch  # imported by the check and by torchrun anyway: once, here
+
+    return torch.cuda.device_count()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
