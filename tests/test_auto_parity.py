@@ -76,15 +76,7 @@ def test_auto_parallel_second_start_hits_the_plan_cache(runs: Runs) -> None:
     first = runs.auto("llama3", "fsdp")
     folder = runs.root / "llama3-auto_fsdp"
     assert list((folder / "plan_cache").glob("*.json")), "the first start stored no plan"
-    (folder / "metrics.jsonl").unlink()
-    run = run_launcher(
-        ["--job.dump_folder", folder, "--model.name", "llama3_auto_parallel",
-         "--training.steps", STEPS, "--training.seq_len", SEQ_LEN,
-         "--training.local_batch_size", GLOBAL_BATCH // 2,
-         "--metrics.enable_tensorboard", "false", "--metrics.peak_tflops", "1"],
-        ngpu=2, config=CONFIGS["llama3"],
-    )
-    assert run.returncode == 0, run.tail()
+    run = _restart_fsdp(folder)
     assert "plan cache hit" in run.stdout + run.stderr, run.tail()
     assert "compiled-step cache hit" in run.stdout + run.stderr, run.tail()
     again = read_metrics(folder)
@@ -94,19 +86,25 @@ def test_auto_parallel_second_start_hits_the_plan_cache(runs: Runs) -> None:
 
     # One rank's stored graph spoiled: it is ignored, every rank compiles, training is unchanged.
     (folder / "plan_cache" / "graphs").joinpath(_rank_entry(folder, 1)).write_bytes(b"not a graph")
+    run = _restart_fsdp(folder, log_rank="0,1")
+    out = run.stdout + run.stderr
+    assert "compiled-step cache entry" in out and "ignored: unreadable" in out, run.tail()
+    assert "another rank has no valid entry; compiling on every rank" in out, run.tail()
+    assert [r["loss"] for r in read_metrics(folder)] == [r["loss"] for r in first]
+
+
+def _restart_fsdp(folder: Path, log_rank: str = "0"):
+    """The 2-rank FSDP job of ``runs.auto("llama3", "fsdp")`` started again in its folder."""
     (folder / "metrics.jsonl").unlink()
     run = run_launcher(
         ["--job.dump_folder", folder, "--model.name", "llama3_auto_parallel",
          "--training.steps", STEPS, "--training.seq_len", SEQ_LEN,
          "--training.local_batch_size", GLOBAL_BATCH // 2,
          "--metrics.enable_tensorboard", "false", "--metrics.peak_tflops", "1"],
-        ngpu=2, config=CONFIGS["llama3"], log_rank="0,1",
+        ngpu=2, config=CONFIGS["llama3"], log_rank=log_rank,
     )
     assert run.returncode == 0, run.tail()
-    out = run.stdout + run.stderr
-    assert "compiled-step cache entry" in out and "ignored: unreadable" in out, run.tail()
-    assert "another rank has no valid entry; compiling on every rank" in out, run.tail()
-    assert [r["loss"] for r in read_metrics(folder)] == [r["loss"] for r in first]
+    return run
 
 
 def _rank_entry(folder: Path, rank: int) -> str:

@@ -110,31 +110,30 @@ def _resolve_target(ref: _Target) -> Any:
 
 
 def _encode(value: Any, index: dict[fx.Node, int]) -> Any:
-    if isinstance(value, fx.Node):
-        return _Ref(index[value])
-    if isinstance(value, (list, tuple)):
-        items = [_encode(v, index) for v in value]
-        return items if isinstance(value, list) else tuple(items)
-    if isinstance(value, dict):
-        return {k: _encode(v, index) for k, v in value.items()}
-    if isinstance(value, slice):
-        return slice(_encode(value.start, index), _encode(value.stop, index), _encode(value.step, index))
-    if isinstance(value, _ATOMS):
-        return value
-    raise TypeError(f"graph argument {value!r} of type {type(value).__name__} cannot be stored")
+    def leaf(v: Any) -> Any:
+        if isinstance(v, fx.Node):
+            return _Ref(index[v])
+        if isinstance(v, _ATOMS):
+            return v
+        raise TypeError(f"graph argument {v!r} of type {type(v).__name__} cannot be stored")
+
+    return _map(value, leaf)
 
 
 def _decode(value: Any, made: list[fx.Node]) -> Any:
-    if isinstance(value, _Ref):
-        return made[value.index]
+    return _map(value, lambda v: made[v.index] if isinstance(v, _Ref) else v)
+
+
+def _map(value: Any, leaf) -> Any:
+    """``leaf`` applied inside the containers an fx argument can be built of."""
     if isinstance(value, (list, tuple)):
-        items = [_decode(v, made) for v in value]
+        items = [_map(v, leaf) for v in value]
         return items if isinstance(value, list) else tuple(items)
     if isinstance(value, dict):
-        return {k: _decode(v, made) for k, v in value.items()}
+        return {k: _map(v, leaf) for k, v in value.items()}
     if isinstance(value, slice):
-        return slice(_decode(value.start, made), _decode(value.stop, made), _decode(value.step, made))
-    return value
+        return slice(_map(value.start, leaf), _map(value.stop, leaf), _map(value.step, leaf))
+    return leaf(value)
 
 
 def _shape_only(val: Any) -> Any:
