@@ -5,11 +5,13 @@ communication the plan can hide behind compute (itself a small LP once ``x``
 is fixed; ``overlap_savings``). Solutions report that objective, recomputed
 from the tables for the plan the solver returns.
 
-Why no presolve: the exact presolve eliminates chains and leaves by folding a
-node's unary into its neighbours' tables, after which a node's compute (which
-feeds the overlap budget) is no longer identifiable, and collapsing ties would
-merge nodes that sit at different points of the step. Overlap models therefore
-skip our presolve and let HiGHS presolve the full model instead.
+By default the model is built on the problem after ``overlap_presolve``: the
+exact presolve, restricted to the reductions that keep every node's compute
+and every overlappable edge's cost priced at its own step position (ties
+collapse, nodes whose choice moves only the energy are eliminated). The plan
+is expanded back and its savings recomputed on the full problem, so what the
+solution reports is exact. ``presolve=False`` builds the model on the full
+problem (the reference the tests compare against).
 
 The approximate solver (TRW-S) works on pairwise energies only and cannot
 express the budget chains, so ``overlap_solver`` sends ``approx`` and ``auto``
@@ -21,7 +23,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,12 +38,17 @@ from torchtitan_autoparallel.planner.solvers.ilp import (
     _remaining,
     _Run,
 )
+from torchtitan_autoparallel.planner.solvers.ilp_model import build_ilp
 from torchtitan_autoparallel.planner.solvers.overlap_model import (
     OverlapIlpModel,
     OverlapSpec,
+    add_overlap,
     build_overlap_ilp,
     shared_argmax,
 )
+from torchtitan_autoparallel.planner.solvers.overlap_presolve import overlap_presolve
+from torchtitan_autoparallel.planner.solvers.overlap_terms import empty_model, fixed_terms
+from torchtitan_autoparallel.planner.solvers.presolve import ENERGY_RTOL
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 OVERLAP_MIP_GAP = 1e-3  # relative; the plan's status says "feasible" when not closed
@@ -57,13 +65,11 @@ class OverlapBreakdown:
 
 
 def overlap_breakdown(problem: Problem, spec: OverlapSpec, assignment: np.ndarray) -> OverlapBreakdown:
-    """The largest savings of a fixed plan: the overlap LP with every node pinned."""
-    x = np.asarray(assignment, dtype=np.int64)
+    """The largest savings of a fixed plan: the overlap LP on the full problem with every
+    compute and communication a constant (no ILP columns at all, so it stays cheap at any size)."""
     if problem.num_nodes == 0:
         return OverlapBreakdown(np.zeros(0, np.int64), np.zeros(0), 0.0)
-    # pinned, the plan's own tables are constants; its memory was checked by the solver
-    fixed = replace(problem, pins={v: int(s) for v, s in enumerate(x.tolist())}, memory_budget=None)
-    model = build_overlap_ilp(fixed, spec)
+    model = add_overlap(empty_model(), fixed_terms(problem, spec, assignment))
     if not len(model.saving_col):
         return OverlapBreakdown(model.saving_edge, np.zeros(0), 0.0)
     h = HighsILPSolver(highs_presolve=True)._highs(model, None, integer=False)
@@ -87,13 +93,37 @@ class _GapHighs(HighsILPSolver):
         return h
 
 
-class OverlapSolver:
-    """Energy minus overlap savings, on HiGHS or CBC; ``relax`` solves the LP and rounds."""
+@dataclass
+class _Instance:
+    """What the overlap ILP is built on: the problem itself, or its overlap-exact reduction."""
 
-    def __init__(self, spec: OverlapSpec, backend: str = "highs", relax: bool = False) -> None:
+    problem: Problem  # the problem the model's columns belong to
+    model: OverlapIlpModel
+    expand: Callable[[np.ndarray], np.ndarray]  # its plans -> plans of the original problem
+    offset: float = 0.0  # energy eliminated by the presolve
+    slack: float = 0.0  # savings the model may under-credit (``OverlapTerms.slack``)
+
+
+def _instance(problem: Problem, spec: OverlapSpec, presolve: bool) -> _Instance:
+    if not presolve:
+        return _Instance(problem, build_overlap_ilp(problem, spec), lambda x: np.asarray(x, np.int64))
+    pre = overlap_presolve(problem, spec)
+    LOG.info("overlap %s", pre.summary())
+    base = build_ilp(pre.reduced)
+    terms = pre.terms(base)
+    return _Instance(pre.reduced, add_overlap(base, terms), pre.expand, pre.offset, terms.slack)
+
+
+class OverlapSolver:
+    """Energy minus overlap savings, on HiGHS or CBC; ``relax`` solves the LP and rounds.
+    ``presolve`` (default) solves the overlap-exact reduced problem (``overlap_presolve``)."""
+
+    def __init__(self, spec: OverlapSpec, backend: str = "highs", relax: bool = False,
+                 presolve: bool = True) -> None:
         self.spec = spec
         self.backend = backend
         self.relax = relax
+        self.presolve = presolve
         kind = "lp" if relax else "ilp"
         self.name = f"{kind}-{backend}+overlap"
 
@@ -101,26 +131,36 @@ class OverlapSolver:
         start = time.perf_counter()
         if problem.num_nodes == 0:
             return Solution(np.zeros(0, np.int64), 0.0, 0.0, self.name, "optimal", 0.0)
-        model = build_overlap_ilp(problem, self.spec)
+        try:
+            inst = _instance(problem, self.spec, self.presolve)
+        except InfeasibleProblem:
+            self._diagnose(problem, start, time_limit)
+            raise
+        model = inst.model
         model.completion = lambda base: _complete(model, base)
-        model.start = self._plain_start(problem, model, start, time_limit)
+        model.start = self._plain_start(inst.problem, model, time_limit)
         LOG.info(
             "%s: %d nodes, %d edges, %d overlappable -> %s (built in %.2f s)",
-            self.name, problem.num_nodes, len(problem.edges), len(model.saving_col),
+            self.name, inst.problem.num_nodes, len(inst.problem.edges), len(model.saving_col),
             model.describe(), time.perf_counter() - start,
         )
-        run = self._run(problem, model, start, time_limit)
+        run = self._run(problem, inst, start, time_limit)
         if run.status == "infeasible":
-            # overlap never changes feasibility: the plain solver names the culprit
-            HighsILPSolver().solve(problem, _remaining(start, time_limit))
+            self._diagnose(problem, start, time_limit)
             raise InfeasibleProblem("no plan satisfies the constraints")
         if run.status == "no_solution":
-            return self._fallback(problem, start, time_limit)
+            return self._fallback(problem, inst, start, time_limit)
         x = model.assignment(run.col_value) if run.status != "rounded" else run.col_value
-        return self._finish(problem, x, run, model, start)
+        return self._finish(problem, inst, x, run, start)
+
+    def _diagnose(self, problem: Problem, start: float, time_limit: float | None) -> None:
+        """Overlap never changes feasibility: the plain solver names the culprit (and raises)."""
+        from torchtitan_autoparallel.planner.solvers import get_solver
+
+        get_solver("ilp", self.backend).solve(problem, _remaining(start, time_limit))
 
     def _plain_start(
-        self, problem: Problem, model: OverlapIlpModel, start: float, time_limit: float | None
+        self, problem: Problem, model: OverlapIlpModel, time_limit: float | None
     ) -> np.ndarray | None:
         """The plain optimum (presolved, fast) as the incumbent: the overlap plan can only
         beat it, and a time limit then still returns a plan no worse than overlap off."""
@@ -134,7 +174,8 @@ class OverlapSolver:
         LOG.info("%s: warm start from the plain plan (%.6g us, %s)", self.name, sol.objective, sol.status)
         return sol.assignment if problem.is_feasible(sol.assignment) else model.start
 
-    def _run(self, problem: Problem, model: OverlapIlpModel, start: float, time_limit: float | None) -> _Run:
+    def _run(self, problem: Problem, inst: _Instance, start: float, time_limit: float | None) -> _Run:
+        model = inst.model
         if self.backend == "cbc":
             return CbcILPSolver(self.name)._run(model, time_limit)
         highs = _GapHighs(self.name, highs_presolve=True)
@@ -143,34 +184,41 @@ class OverlapSolver:
         relaxed = _solve_relaxation(highs, model, time_limit)
         if relaxed.status != "optimal" or relaxed.col_value is None:
             return highs._run_mip(model, _remaining(start, time_limit))
-        x = shared_argmax(problem, model, relaxed.col_value)
-        if not _integral(model, relaxed.col_value) and not problem.is_feasible(x):
+        x = shared_argmax(inst.problem, model, relaxed.col_value)
+        if not _integral(model, relaxed.col_value) and not inst.problem.is_feasible(x):
             LOG.info("%s: the rounded LP plan is infeasible; solving the MIP", self.name)
             return highs._run_mip(model, _remaining(start, time_limit))
-        if model.start is not None and self._score(problem, model.start) < self._score(problem, x):
+        if model.start is not None and self._score(problem, inst, model.start) < self._score(problem, inst, x):
             x = model.start  # rounding lost to the plain plan; keep the better one
         # a rounded plan: its objective is recomputed, the LP value is its bound
         return _Run("rounded", x, relaxed.objective, relaxed.bound)
 
-    def _score(self, problem: Problem, x: np.ndarray) -> float:
-        if not problem.is_feasible(x):
+    def _score(self, problem: Problem, inst: _Instance, x: np.ndarray) -> float:
+        """The full problem's overlap objective of a plan of ``inst.problem``."""
+        if not inst.problem.is_feasible(x):
             return math.inf
-        return problem.energy(x) - overlap_savings(problem, self.spec, x)
+        full = inst.expand(x)
+        return problem.energy(full) - overlap_savings(problem, self.spec, full)
 
     def _finish(
-        self, problem: Problem, x: np.ndarray, run: _Run, model: OverlapIlpModel, start: float
+        self, problem: Problem, inst: _Instance, x: np.ndarray, run: _Run, start: float
     ) -> Solution:
-        if not problem.is_feasible(x):
+        full = inst.expand(x)
+        if not problem.is_feasible(full):
             raise RuntimeError(f"{self.name}: the solver's plan violates the problem's constraints")
-        energy = problem.energy(x)
-        savings = overlap_savings(problem, self.spec, x)
+        energy = problem.energy(full)
+        expected = inst.problem.energy(x) + inst.offset
+        if not math.isclose(energy, expected, rel_tol=ENERGY_RTOL, abs_tol=ENERGY_RTOL):
+            raise RuntimeError(f"{self.name}: expanded plan costs {energy!r}, the reduced one {expected!r}")
+        # savings recomputed on the full problem: what is reported is exact
+        savings = overlap_savings(problem, self.spec, full)
         objective = energy - savings
-        solver_value = run.objective + model.offset
+        solver_value = run.objective + inst.model.offset + inst.offset
         tol = OBJECTIVE_RTOL * max(abs(objective), 1.0)
         # for a fixed plan the solver's savings can only be at most the best ones
         if run.status != "rounded" and objective > solver_value + tol:
             raise RuntimeError(f"{self.name}: recomputed objective {objective!r} > solver's {solver_value!r}")
-        bound = run.bound + model.offset
+        bound = run.bound + inst.model.offset + inst.offset - inst.slack
         lower = min(objective, bound)
         # a MIP stopped at OVERLAP_MIP_GAP reports "optimal"; only a closed gap is
         status = "optimal" if objective - lower <= tol else ("time_limit" if run.status == "time_limit" else "feasible")
@@ -179,15 +227,19 @@ class OverlapSolver:
             "%s: %s, objective %.6g us (energy %.6g, overlap saves %.6g), bound %.6g us, %.2f s",
             self.name, status, objective, energy, savings, lower, seconds,
         )
-        return Solution(x, objective, lower, self.name, status, seconds)
+        return Solution(full, objective, lower, self.name, status, seconds)
 
-    def _fallback(self, problem: Problem, start: float, time_limit: float | None) -> Solution:
+    def _fallback(self, problem: Problem, inst: _Instance, start: float, time_limit: float | None) -> Solution:
         """No plan in time: the plain solver's plan, scored with its savings, and no bound."""
         LOG.warning("%s: no plan with overlap in %s s; taking the plain solver's", self.name, time_limit)
-        sol = HighsILPSolver()._approximate(problem, start, time_limit)
-        objective = sol.objective - overlap_savings(problem, self.spec, sol.assignment)
-        return Solution(sol.assignment, objective, -math.inf, self.name, "time_limit",
-                        time.perf_counter() - start)
+        if inst.model.start is not None:
+            full = inst.expand(inst.model.start)
+        else:
+            from torchtitan_autoparallel.planner.solvers import get_solver
+
+            full = get_solver("ilp", self.backend).solve(problem, _remaining(start, time_limit)).assignment
+        objective = problem.energy(full) - overlap_savings(problem, self.spec, full)
+        return Solution(full, objective, -math.inf, self.name, "time_limit", time.perf_counter() - start)
 
 
 def _solve_relaxation(highs: HighsILPSolver, model: OverlapIlpModel, time_limit: float | None) -> _Run:
@@ -224,14 +276,14 @@ def _integral(model: OverlapIlpModel, col_value: np.ndarray) -> bool:
     return bool(np.minimum(np.abs(x), np.abs(1.0 - x)).max(initial=0.0) <= INTEGRALITY_TOL)
 
 
-def overlap_solver(name: str, backend: str, spec: OverlapSpec) -> OverlapSolver:
+def overlap_solver(name: str, backend: str, spec: OverlapSpec, presolve: bool = True) -> OverlapSolver:
     """The solver for ``[autoparallel] solver = name`` when overlap is on."""
     if name in ("approx", "auto", "brute-force"):
         LOG.warning(
             "overlap: the %r solver does not model communication/computation overlap; "
             "the problem goes to the exact ILP path instead", name,
         )
-        return OverlapSolver(spec, backend, relax=False)
+        return OverlapSolver(spec, backend, relax=False, presolve=presolve)
     if name not in ("ilp", "lp"):
         raise ValueError(f"unknown solver {name!r}; accepted: ilp, lp, approx, auto")
-    return OverlapSolver(spec, backend, relax=name == "lp")
+    return OverlapSolver(spec, backend, relax=name == "lp", presolve=presolve)

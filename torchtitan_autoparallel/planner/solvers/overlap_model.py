@@ -16,6 +16,12 @@ it runs while compute proceeds; the model credits that with a continuous saving
 * backward chain (gradient reductions): the same in reverse order, anchored at
   each edge's producer: a reduction hides behind compute that follows it.
 
+Compute and communication come in as ``OverlapTerms`` (``overlap_terms``):
+linear expressions over the base ILP's columns, so the same model is built on
+the full problem, on one fixed plan (all constants) or on the presolved
+problem (``overlap_presolve``), where one expression can stand for many tied
+edges and shares a capped column.
+
 The objective gains ``- sum s_e``. Every new column is scaled into [0, 1] (by
 the largest value it can take), so the existing backends, which bound every
 column by [0, 1], take the model unchanged. Rows of the chains stay in
@@ -31,6 +37,7 @@ import numpy as np
 
 from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel, build_ilp, tie_components
+from torchtitan_autoparallel.planner.solvers.overlap_terms import Linear, OverlapTerms, full_terms
 
 
 @dataclass
@@ -111,35 +118,29 @@ def build_overlap_ilp(problem: Problem, spec: OverlapSpec) -> OverlapIlpModel:
     if spec.num_nodes != problem.num_nodes:
         raise ValueError(f"overlap spec for {spec.num_nodes} nodes, problem has {problem.num_nodes}")
     base = build_ilp(problem)
+    return add_overlap(base, full_terms(problem, spec, base))
+
+
+def add_overlap(base: IlpModel, terms: OverlapTerms) -> OverlapIlpModel:
+    """``base`` plus the savings model of ``terms`` (expressions over ``base``'s columns)."""
     memory_last = base.has_memory_row
-    keep_rows = base.num_row - (1 if memory_last else 0)
-    extra = _Rows(keep_rows, base.num_col)
-    comp_x = _x_compute(problem, base)
-    node_scale = np.zeros(problem.num_nodes)
-    np.maximum.at(node_scale, base.x_node, comp_x)
-    f_col, b_col = _split_columns(base, comp_x, node_scale, extra)
-    edges, s_col, s_scale = _saving_columns(problem, spec, base, extra)
-    pos = spec.position
-    fwd = np.isin(edges, spec.prefetch)
-    anchor = np.where(fwd, pos[problem.edges[edges, 1]], -pos[problem.edges[edges, 0]])
+    extra = _Rows(base.num_row - (1 if memory_last else 0), base.num_col)
+    node_scale = terms.compute.largest()
+    f_col, b_col = _split_columns(terms.compute, node_scale, extra)
+    keep, s_col, s_scale = _saving_columns(terms.comm, extra)
+    fwd, anchor = terms.prefetch[keep], terms.anchor[keep]
+    pos = terms.node_pos
     has = node_scale > 0
     for chain, cols, node_pos in ((fwd, f_col, pos), (~fwd, b_col, -pos)):
         _chain_rows(node_pos[has], cols[has], node_scale[has], anchor[chain], s_col[chain],
                     s_scale[chain], extra)
     model = _merged(base, extra, memory_last)
-    model.saving_edge, model.saving_col, model.saving_scale = edges, s_col, s_scale
+    model.saving_edge, model.saving_col, model.saving_scale = terms.edges[keep], s_col, s_scale
     return model
 
 
-def _x_compute(problem: Problem, base: IlpModel) -> np.ndarray:
-    """Compute time (the unary, before self-loops fold in) of each x column."""
-    return np.array(
-        [float(problem.unary[v][s]) for v, s in zip(base.x_node.tolist(), base.x_strategy.tolist())]
-    )
-
-
 def _split_columns(
-    base: IlpModel, comp_x: np.ndarray, node_scale: np.ndarray, extra: _Rows
+    compute: Linear, node_scale: np.ndarray, extra: _Rows
 ) -> tuple[np.ndarray, np.ndarray]:
     """f_j, b_j per node with compute: f_j + b_j <= c_j(x), in units of the node's largest c_j."""
     n = len(node_scale)
@@ -148,52 +149,46 @@ def _split_columns(
     b_col = np.full(n, -1, dtype=np.int64)
     f_col[nodes] = extra.new_cols(len(nodes))
     b_col[nodes] = extra.new_cols(len(nodes))
-    row_of = np.full(n, -1, dtype=np.int64)
     for v in nodes.tolist():
-        row_of[v] = extra.new_row(-np.inf, 0.0)
-    extra.add(row_of[nodes], f_col[nodes], 1.0)
-    extra.add(row_of[nodes], b_col[nodes], 1.0)
-    xs = np.flatnonzero(node_scale[base.x_node] > 0)
-    extra.add(row_of[base.x_node[xs]], xs, -comp_x[xs] / node_scale[base.x_node[xs]])
+        scale = node_scale[v]
+        row = extra.new_row(-np.inf, compute.const[v] / scale)
+        cols, coeffs = compute.terms(v)
+        extra.add(row, np.concatenate([[f_col[v], b_col[v]], cols]),
+                  np.concatenate([[1.0, 1.0], -coeffs / scale]))
     return f_col, b_col
 
 
-def _saving_columns(
-    problem: Problem, spec: OverlapSpec, base: IlpModel, extra: _Rows
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One s_e per overlappable edge that can cost anything, capped by its chosen pair."""
-    n = problem.num_nodes
-    y = np.arange(base.num_x, base.num_col)
-    y_key = base.x_node[base.y_pair[:, 0]] * n + base.x_node[base.y_pair[:, 1]]
-    order = np.argsort(y_key, kind="stable")
-    sorted_key = y_key[order]
-    allowed = np.zeros((n, int(problem.num_strategies.max(initial=1))), dtype=bool)
-    allowed[base.x_node, base.x_strategy] = True
-    edges, scales, caps = [], [], []
-    for e in np.union1d(spec.prefetch, spec.backward).tolist():
-        u, v = (int(a) for a in problem.edges[e])
-        if u == v:
-            continue  # a self-loop is folded into the unary: no transfer to hide
-        lo, hi = np.searchsorted(sorted_key, [u * n + v, u * n + v + 1])
-        ys = y[order[lo:hi]]
-        if len(ys):
-            scale = float(base.col_cost[ys].max())
-        else:  # folded into the offset: a constant cost over the allowed pairs
-            table = problem.pairwise[e][np.ix_(allowed[u, : len(problem.unary[u])],
-                                               allowed[v, : len(problem.unary[v])])]
-            finite = table[np.isfinite(table)]
-            scale = float(finite.min()) if finite.size else 0.0
-        if scale > 0:
-            edges.append(e)
-            scales.append(scale)
-            caps.append(ys)
-    s_col = extra.new_cols(len(edges), -np.asarray(scales, dtype=np.float64))
-    for col, scale, ys in zip(s_col.tolist(), scales, caps):
-        if len(ys):  # s_e * scale <= sum cost * y, divided by scale
-            row = extra.new_row(-np.inf, 0.0)
-            extra.add(row, [col], 1.0)
-            extra.add(row, ys, -base.col_cost[ys] / scale)
-    return np.asarray(edges, dtype=np.int64), s_col, np.asarray(scales, dtype=np.float64)
+def _saving_columns(comm: Linear, extra: _Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One s_e per expression that can cost anything, capped by it.
+
+    Repeated layers give many edges the very same expression over the reduced
+    problem's columns; those share one capped column ``z`` (``s_e <= z``), so the
+    model grows by a row per edge, not by a copy of the table per edge.
+    """
+    scale = comm.largest()
+    keep = np.flatnonzero(scale > 0)
+    s_col = extra.new_cols(len(keep), -scale[keep])
+    groups: dict[tuple[bytes, bytes, float], list[int]] = {}
+    for i, e in enumerate(keep.tolist()):
+        cols, coeffs = comm.terms(e)
+        if len(cols):
+            groups.setdefault((cols.tobytes(), coeffs.tobytes(), float(comm.const[e])), []).append(i)
+    for members in groups.values():
+        e = int(keep[members[0]])
+        cap = s_col[members[0]] if len(members) == 1 else extra.new_cols(1)[0]
+        _cap_row(comm, e, scale[e], cap, extra)
+        if len(members) > 1:  # s_e - z <= 0: same expression, same scale
+            for i in members:
+                row = extra.new_row(-np.inf, 0.0)
+                extra.add(row, [s_col[i], cap], np.array([1.0, -1.0]))
+    return keep, s_col, scale[keep]
+
+
+def _cap_row(comm: Linear, e: int, scale: float, col: int, extra: _Rows) -> None:
+    """col * scale <= const + sum coeff * y, divided by scale (a constant needs only the bound)."""
+    cols, coeffs = comm.terms(e)
+    row = extra.new_row(-np.inf, comm.const[e] / scale)
+    extra.add(row, np.concatenate([[col], cols]), np.concatenate([[1.0], -coeffs / scale]))
 
 
 def _chain_rows(

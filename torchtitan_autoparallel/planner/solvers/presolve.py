@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,8 @@ from torchtitan_autoparallel.planner.solvers.reduce import Graph
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 ENERGY_RTOL = 1e-6  # reduced energy + offset vs the expanded plan's energy
+# (tie-collapsed problem, each original node's group, prune_memory) -> the graph to reduce
+GraphFactory = Callable[[Problem, np.ndarray, bool], Graph]
 
 
 @dataclass
@@ -72,13 +75,22 @@ def _size_text(size: dict[str, int]) -> str:
 
 
 def presolve(
-    problem: Problem, *, dominance: bool = True, prune_memory: bool = True
+    problem: Problem,
+    *,
+    dominance: bool = True,
+    prune_memory: bool = True,
+    make_graph: GraphFactory | None = None,
 ) -> Presolved:
     """Reduce ``problem`` exactly. ``prune_memory=False`` keeps strategies that only
-    the memory budget rules out, so a solver can still name the smallest budget."""
+    the memory budget rules out, so a solver can still name the smallest budget.
+    ``make_graph`` swaps in a ``Graph`` that protects more than the energy
+    (``overlap_presolve``)."""
     start = time.perf_counter()
     collapsed, group_of = collapse_ties(problem)
-    graph = Graph(collapsed, prune_memory=prune_memory)
+    if make_graph is None:
+        graph = Graph(collapsed, prune_memory=prune_memory)
+    else:
+        graph = make_graph(collapsed, group_of, prune_memory)
     graph.reduce(dominance=dominance)
     graph.check_fixed_memory()
     reduced, survivors = _reduced_problem(graph, collapsed)

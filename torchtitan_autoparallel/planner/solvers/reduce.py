@@ -125,7 +125,7 @@ class Graph:
     def _try_eliminate(self, v: int) -> bool:
         if len(self.domain[v]) == 1:
             self._eliminate_fixed(v)
-        elif self.memory[v] is None and len(self.adj[v]) <= 2:
+        elif self.memory[v] is None and len(self.adj[v]) <= 2 and self._energy_only(v):
             degree = len(self.adj[v])
             if degree == 0:
                 self._eliminate_isolated(v)
@@ -135,6 +135,17 @@ class Graph:
                 return self._eliminate_link(v)
         else:
             return False
+        return True
+
+    # --- hooks: what else a node's choice prices (``overlap_presolve``) -------
+
+    def _energy_only(self, v: int) -> bool:
+        """Whether ``v``'s choice matters to nothing but the energy (and memory), so that
+        minimising it out stays exact (``_margin`` decides dominance)."""
+        return True
+
+    def _energy_only_table(self, v: int, u: int) -> bool:
+        """Whether the ``v``-``u`` table may move into the unaries when separable."""
         return True
 
     def _push(self, v: int) -> None:
@@ -168,14 +179,10 @@ class Graph:
         and it uses no less memory. It subsumes entry-wise dominance (every
         difference >= 0) and is exact: swapping ``s`` for ``t`` in any plan never
         raises its energy or memory."""
-        tables = list(self.adj[v].values())
         k = len(self.domain[v])
-        if k * k * sum(t.shape[1] for t in tables) > DOMINANCE_MAX_WORK:
+        margin = self._margin(v)
+        if margin is None:
             return np.zeros(k, dtype=bool)
-        unary = self.unary[v]
-        margin = unary[:, None] - unary[None, :]  # margin[s, t]
-        for table in tables:
-            margin += _worst_difference(table)
         if self.memory[v] is not None:
             m = self.memory[v]
             margin[m[:, None] < m[None, :]] = -np.inf
@@ -184,6 +191,18 @@ class Graph:
         beaten = (margin > 0) | ((margin >= 0) & lower)
         np.fill_diagonal(beaten, False)
         return beaten.any(axis=1)
+
+    def _margin(self, v: int) -> np.ndarray | None:
+        """``margin[s, t]`` of ``_dominated`` (None: too costly to check)."""
+        tables = list(self.adj[v].values())
+        k = len(self.domain[v])
+        if k * k * sum(t.shape[1] for t in tables) > DOMINANCE_MAX_WORK:
+            return None
+        unary = self.unary[v]
+        margin = unary[:, None] - unary[None, :]  # margin[s, t]
+        for table in tables:
+            margin += _worst_difference(table)
+        return margin
 
     def _restrict(self, v: int, keep: np.ndarray) -> None:
         self.domain[v] = self.domain[v][keep]
@@ -238,7 +257,7 @@ class Graph:
 
     def _fold_separable(self, v: int) -> None:
         for u, t in list(self.adj[v].items()):
-            if not np.isfinite(t).all():
+            if not np.isfinite(t).all() or not self._energy_only_table(v, u):
                 continue
             a, b = t[:, 0], t[0, :] - t[0, 0]
             scale = float(np.abs(t).max(initial=0.0))
