@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -135,16 +136,21 @@ print("RESULT " + json.dumps(out))
 
 def _child(script: str, spec: dict, timeout: float) -> dict:
     start = time.perf_counter()
+    # Its own session, so a timeout also kills what it started (CBC runs as a separate binary
+    # and, on the largest problems, overruns its own time limit).
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, json.dumps(spec)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", script, json.dumps(spec)],
-            capture_output=True, text=True, timeout=timeout,
-        )
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return {"error": f"killed after {timeout:.0f} s", "wall_s": time.perf_counter() - start}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
         return {"error": tail[0], "wall_s": time.perf_counter() - start}
     return {**json.loads(lines[-1][len("RESULT "):]), "wall_s": time.perf_counter() - start}
 
