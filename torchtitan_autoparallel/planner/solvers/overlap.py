@@ -176,12 +176,14 @@ class OverlapSolver:
 
     def _run(self, problem: Problem, inst: _Instance, start: float, time_limit: float | None) -> _Run:
         model = inst.model
+        # What the warm start and the presolve used counts against the limit too.
+        left = _remaining(start, time_limit)
         if self.backend == "cbc":
-            return CbcILPSolver(self.name)._run(model, time_limit)
+            return CbcILPSolver(self.name)._run(model, left)
         highs = _GapHighs(self.name, highs_presolve=True)
         if not self.relax:
-            return highs._run(model, time_limit)
-        relaxed = _solve_relaxation(highs, model, time_limit)
+            return highs._run(model, left)
+        relaxed = _solve_relaxation(highs, model, left)
         if relaxed.status != "optimal" or relaxed.col_value is None:
             return highs._run_mip(model, _remaining(start, time_limit))
         x = shared_argmax(inst.problem, model, relaxed.col_value)
