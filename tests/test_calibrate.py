@@ -28,7 +28,7 @@ from torchtitan_autoparallel.calibrate.fit import (
 from torchtitan_autoparallel.calibrate.measure import KIB, MIB, default_settings, intra_node_dims
 from torchtitan_autoparallel.planner.cost_model import COLLECTIVES, collective_time_us, compute_time_us
 from torchtitan_autoparallel.planner.profiles import PEAK_DTYPES, HardwareProfile, Link, load_profile
-from torchtitan_autoparallel.planner.step_terms import host_us, optimizer_us
+from torchtitan_autoparallel.planner.step_terms import alloc_us, host_us, optimizer_us
 
 TRUE = replace(load_profile("h100"), name="truth")
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -141,6 +141,28 @@ def test_step_fit_recovers_host_and_optimizer_costs() -> None:
     assert host_us(2000, profile) == pytest.approx(host_us(2000, STEP_TRUTH), rel=0.05)
 
 
+def test_step_fit_recovers_the_cost_of_fresh_output_memory() -> None:
+    """Small-op graphs and activation-sized chains, the kernels' traffic at the compute fit's bandwidth taken off."""
+    truth = replace(STEP_TRUTH, alloc_us_per_byte=4.0 / 4096)  # 4 us per 4 KiB page
+    bandwidth = 40.0  # GB/s, as the compute fit would give it
+
+    def sample(nodes: int, out_bytes: float, noise: float, rng) -> HostSample:
+        fresh, moved = nodes * out_bytes, 2.0 * nodes * out_bytes
+        us = host_us(nodes, truth) + alloc_us(fresh, truth) + moved / (bandwidth * 1e3) + 150.0
+        return HostSample(nodes, us * (1 + noise * rng.standard_normal()), fresh_bytes=fresh, moved_bytes=moved)
+
+    graphs = ((300, 1024.0), (1200, 1024.0), (2400, 1024.0), (120, 65536.0), (60, 262144.0), (30, 1048576.0))
+    _, opt = _step_samples(0.0, np.random.default_rng(8))
+    for noise, rel in ((0.0, 1e-6), (0.03, 0.1)):
+        rng = np.random.default_rng(9)
+        fit = fit_step([sample(n, b, noise, rng) for n, b in graphs], opt, mem_bandwidth_GBps=bandwidth)
+        assert fit.alloc_us_per_byte == pytest.approx(truth.alloc_us_per_byte, rel=rel)
+        assert fit.host_us_per_node == pytest.approx(12.5, rel=rel)
+    # Small-op graphs alone cannot tell the per-byte cost from the per-node one: it stays 0.
+    small = fit_step([sample(n, b, 0.0, rng) for n, b in graphs[:3]], opt)
+    assert small.alloc_us_per_byte == 0.0
+
+
 def test_step_fit_errors_name_the_problem() -> None:
     host, opt = _step_samples(0.0, np.random.default_rng(6))
     with pytest.raises(FitError, match="graphs of at least two sizes"):
@@ -198,9 +220,10 @@ def test_real_two_rank_calibration_writes_a_loadable_profile(tmp_path: Path) -> 
     run = run_launcher(args, ngpu=2, env={"CALIBRATE": "1"}, timeout=300)
     assert run.returncode == 0, run.tail()
     text = run.stdout + run.stderr
-    # 3 dtypes x 2 + 2 copies + 3 host graphs + 5 optimizer settings + 4 kinds x 2 sizes (no pairs on 2 ranks)
-    assert "[calibrate 24/24 ##########]" in text, run.tail()
-    assert "us per graph node" in text and "(clip + AdamW)" in text, run.tail()
+    # 3 dtypes x 2 + 2 copies + 3 host graphs + 3 activation-sized graphs + 5 optimizer settings
+    # + 4 kinds x 2 sizes (no pairs on 2 ranks)
+    assert "[calibrate 27/27 ##########]" in text, run.tail()
+    assert "us per graph node" in text and "per fresh 4 KiB page" in text and "(clip + AdamW)" in text, run.tail()
     assert f"profile written to {out}" in text
     profile = load_profile(str(out))  # what --autoparallel.cost_profile PATH calls
     assert profile.name == "calibrated" and profile.compute_efficiency == 1.0

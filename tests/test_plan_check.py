@@ -29,10 +29,10 @@ from torchtitan_autoparallel.train.metrics import MetricsLogger, Peak
 from torchtitan_autoparallel.train.plan_check import WARMUP_STEPS, PlanCheck
 
 PLAN_TAGS = {"plan/predicted_compute_ms", "plan/predicted_comm_ms", "plan/predicted_overlap_ms", "plan/predicted_step_ms",
-             "plan/predicted_host_ms", "plan/predicted_optimizer_ms"}
-TERM_KEYS = ("predicted_compute_s", "predicted_comm_s", "predicted_host_s", "predicted_optimizer_s")
+             "plan/predicted_host_ms", "plan/predicted_alloc_ms", "plan/predicted_optimizer_ms"}
+TERM_KEYS = ("predicted_compute_s", "predicted_comm_s", "predicted_host_s", "predicted_alloc_s", "predicted_optimizer_s")
 # A calibrated-looking profile: 10 us per node; 100 us per tensor + 1 ns per element + 2 ms per step.
-STEP_PROFILE = replace(load_profile("cpu_gloo"), host_us_per_node=10.0, optimizer_us_per_tensor=100.0,
+STEP_PROFILE = replace(load_profile("cpu_gloo"), host_us_per_node=10.0, alloc_us_per_byte=1e-3, optimizer_us_per_tensor=100.0,
                        optimizer_us_per_element=1e-3, optimizer_fixed_us=2000.0,
                        intra_node=Link(latency_us=100.0, bandwidth_GBps=1.0, call_overhead_us=3000.0))
 
@@ -53,7 +53,7 @@ def _toy_plan() -> Plan:
     )
 
 
-def test_measured_is_the_mean_after_the_warm_up_steps() -> None:
+def test_measured_is_the_median_after_the_warm_up_steps() -> None:
     check = PlanCheck.of(_toy_plan())
     assert check.predicted_step_s == pytest.approx(2e-3)
     for seconds in (9.0, 5.0):
@@ -65,7 +65,9 @@ def test_measured_is_the_mean_after_the_warm_up_steps() -> None:
     f = check.fields()
     assert WARMUP_STEPS == 2 and f["measured_step_s"] == pytest.approx(0.004)
     assert f["measured_over_predicted"] == pytest.approx(2.0)
-    assert "mean of steps 3-4" in check.summary() and "measured/predicted 2.00" in check.summary()
+    assert "median of steps 3-4" in check.summary() and "measured/predicted 2.00" in check.summary()
+    check.add_step(0.9)  # one step slowed by other work moves the median, not to 0.303 s as a mean would
+    assert check.fields()["measured_step_s"] == pytest.approx(0.005)
 
 
 def test_plan_predicts_host_and_optimizer_time_from_its_placements() -> None:
@@ -83,9 +85,11 @@ def test_plan_predicts_host_and_optimizer_time_from_its_placements() -> None:
     f = check.fields()
     assert f["predicted_step_s"] == pytest.approx(sum(f[k] for k in TERM_KEYS))
     # The compiled graph's cost replaces the plan's communication and host estimates, not the rest.
-    check.use_graph(GraphCost(nodes=2000, collectives={"all_gather": 2}, comm_us=7000.0), STEP_PROFILE)
+    check.use_graph(GraphCost(nodes=2000, collectives={"all_gather": 2}, comm_us=7000.0, fresh_bytes=1e6), STEP_PROFILE)
     f = check.fields()
     assert f["predicted_comm_s"] == pytest.approx(7e-3) and f["predicted_host_s"] == pytest.approx(2000 * 10e-6)
+    assert f["predicted_alloc_s"] == pytest.approx(1e6 * 1e-3 / 1e6)  # first touch of 1 MB of fresh outputs
+    assert f["predicted_step_s"] == pytest.approx(sum(f[k] for k in TERM_KEYS))
     assert f["predicted_compute_s"] == pytest.approx(1.5e-3) and f["predicted_optimizer_s"] == pytest.approx(p["optimizer_us"] / 1e6)
     assert "from the compiled graph" in check.summary()
 
@@ -96,7 +100,7 @@ def _fake_mesh(group_name: str, size: int):
 
 
 def test_graph_cost_prices_the_collectives_and_counts_the_nodes_the_executor_runs() -> None:
-    """A bucketed all-gather of 1024 floats over 4 ranks, a wait, a view, a getitem (no call)."""
+    """A bucketed all-gather of 1024 floats over 4 ranks, a wait, a view, a split, a getitem (no call), a mul."""
     g = fx.Graph()
     x = g.placeholder("x")
     x.meta["val"] = torch.empty(256)
@@ -105,9 +109,14 @@ def test_graph_cost_prices_the_collectives_and_counts_the_nodes_the_executor_run
     done = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (gathered,))
     view = g.call_function(torch.ops.aten.view.default, (done, [32, 32]))
     pair = g.call_function(torch.ops.aten.split.Tensor, (view, 16))
-    g.output(g.call_function(operator.getitem, (pair, 0)))
+    half = g.call_function(operator.getitem, (pair, 0))
+    scaled = g.call_function(torch.ops.aten.mul.Scalar, (half, 2.0))
+    scaled.meta["val"] = torch.empty(16, 32)
+    g.output(scaled)
     cost = graph_cost(fx.GraphModule(torch.nn.Module(), g), _fake_mesh("g0", 4), STEP_PROFILE)
-    assert cost.nodes == 4 and cost.collectives == {"all_gather": 1}
+    assert cost.nodes == 5 and cost.collectives == {"all_gather": 1}
+    # Fresh memory: the gathered buffer and the product; the wait, the view and the split alias their inputs.
+    assert cost.fresh_bytes == 4096.0 + 16 * 32 * 4
     assert cost.comm_us == pytest.approx(collective_time_us("all_gather", 4096.0, 4, STEP_PROFILE.intra_node))
     assert cost.comm_us > 3000.0  # the per-call cost is in it
     with pytest.raises(ValueError, match="no dim of the mesh"):
@@ -172,7 +181,7 @@ def test_auto_training_run_checks_its_plan(tmp_path: Path) -> None:
     run = run_launcher(args, ngpu=2, config=CONFIGS["llama3"])
     assert run.returncode == 0, run.tail()
     out = run.stdout + run.stderr
-    assert "plan check: predicted" in out and "(mean of steps 3-5)" in out, run.tail()
+    assert "plan check: predicted" in out and "(median of steps 3-5)" in out, run.tail()
     assert (tmp_path / "plan.html").read_text().startswith("<!doctype html>")
     records = read_metrics(tmp_path)
     check_records(records, steps)

@@ -12,7 +12,7 @@
      fsdp_tp  dp_shard 2 x tp 2    (local batch 4)
    seq_len 128, global batch 8, fp32, TensorBoard off, ``--steps`` steps.
 3. Read the last record of each run's metrics.jsonl: the plan's predicted
-   step time, the measured one (mean of the steps after the first two) and
+   step time, the measured one (median of the steps after the first two) and
    their ratio; write ``OUT/results.json`` and print a table.
 
     .venv/bin/python experiments/calibration/run.py                # all three, ~10 min
@@ -41,7 +41,7 @@ GLOBAL_BATCH = 8
 SEQ_LEN = 128
 # plan -> (dp_shard, tp)
 PLANS = {"fsdp": (4, 1), "tp": (1, 4), "fsdp_tp": (2, 2)}
-TERMS = ("compute", "comm", "host", "optimizer")
+TERMS = ("compute", "comm", "host", "alloc", "optimizer")
 
 
 def calibrate(out: Path, repeats: int) -> Path:
@@ -68,17 +68,21 @@ def train(plan: str, profile: Path, out: Path, steps: int) -> dict:
     run = run_launcher(args, ngpu=NGPU, config=CONFIGS["llama3"], timeout=1200)
     if run.returncode != 0:
         sys.exit(f"training {plan} failed\n{run.tail()}")
-    last = read_metrics(folder)[-1]
+    records = read_metrics(folder)
+    # metrics.jsonl is appended to: this run's records start at its last step 1.
+    records = records[max(i for i, r in enumerate(records) if r["step"] == 1):]
+    last = records[-1]
     plan_json = json.loads((folder / "plan.json").read_text())
     return {
         "plan": plan,
         "mesh": plan_json["mesh"],
         "predicted_step_s": last["predicted_step_s"],
         # The plan check's terms, repriced from the compiled graph (train/plan_check.py).
-        **{f"predicted_{t}_s": last[f"predicted_{t}_s"] for t in TERMS},
+        **{f"predicted_{t}_s": last.get(f"predicted_{t}_s", 0.0) for t in TERMS},
         "plan_comm_s": plan_json["predicted"]["comm_us"] / 1e6,  # before bucketing, as the planner priced it
         "measured_step_s": last.get("measured_step_s"),
         "measured_over_predicted": last.get("measured_over_predicted"),
+        "step_seconds": [r["step_time_s"] for r in records],  # every step, warm-up included: the spread
         "run_seconds": time.perf_counter() - start,
         "command": run.cmd,
     }
@@ -87,7 +91,7 @@ def train(plan: str, profile: Path, out: Path, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plans", default=",".join(PLANS), help=f"comma-separated, from {', '.join(PLANS)}")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--repeats", type=int, default=5, help="calibration repeats per measurement")
     parser.add_argument("--out", type=Path, default=HERE / "out")
     args = parser.parse_args()
@@ -113,25 +117,31 @@ def main() -> None:
         (HERE / "README.md").write_text(markdown(json.loads((HERE / "results.json").read_text())))
 
 
+def _spread(run: dict) -> str:
+    steady = [s * 1e3 for s in run.get("step_seconds", [])[2:]]
+    return f"({min(steady):.0f}-{max(steady):.0f})" if steady else ""
+
+
 def markdown(result: dict) -> str:
     p = result["profile"]
     lines = [
         "# Calibrated predictions against measured step times (4 CPU ranks, gloo)",
         "",
         "Made by `.venv/bin/python experiments/calibration/run.py` (calibrate, then train each plan "
-        f"{SEQ_LEN} tokens x global batch {GLOBAL_BATCH}; measured: mean of the steps after the first two).",
+        f"{SEQ_LEN} tokens x global batch {GLOBAL_BATCH}; measured: median of the steps after the first two, with their min-max).",
         f"Fitted profile: fp32 {p['peak_tflops']['float32'] * 1e3:.1f} GFLOP/s, memory {p['mem_bandwidth_GBps']:.1f} GB/s, "
         f"kernel overhead {p['kernel_overhead_us']:.1f} us, link {p['intra_node']['bandwidth_GBps']:.2f} GB/s "
         f"with {p['intra_node']['latency_us']:.0f} us latency per hop and {p['intra_node'].get('call_overhead_us', 0):.0f} us "
-        f"per call; host {p.get('host_us_per_node', 0):.1f} us per graph node; optimizer "
+        f"per call; host {p.get('host_us_per_node', 0):.1f} us per graph node; fresh output memory "
+        f"{p.get('alloc_us_per_byte', 0) * 4096:.1f} us per 4 KiB page; optimizer "
         f"{p.get('optimizer_us_per_tensor', 0):.0f} us per tensor + {p.get('optimizer_us_per_element', 0) * 1e3:.1f} ns "
         f"per local element + {p.get('optimizer_fixed_us', 0):.0f} us per step.",
         "Predicted terms are per step, priced on the compiled graph the trainer runs (bucketed collectives, "
         "its node count); plan comm is the planner's own (per-tensor collectives, before bucketing).",
         "",
-        "| plan | mesh | compute ms | comm ms | host ms | optimizer ms | plan comm ms | predicted step ms "
-        "| measured step ms | measured / predicted |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| plan | mesh | compute ms | comm ms | host ms | fresh memory ms | optimizer ms | plan comm ms "
+        "| predicted step ms | measured step ms (min-max) | measured / predicted |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["runs"]:
         mesh = "x".join(f"{n}={s}" for n, s in zip(r["mesh"]["names"], r["mesh"]["sizes"]))
@@ -139,6 +149,7 @@ def markdown(result: dict) -> str:
             f"| {r['plan']} | {mesh} | "
             + " | ".join(f"{r[f'predicted_{t}_s'] * 1e3:.1f}" for t in TERMS)
             + f" | {r['plan_comm_s'] * 1e3:.1f} | {r['predicted_step_s'] * 1e3:.1f} | {(r['measured_step_s'] or 0) * 1e3:.1f} "
+            f"{_spread(r)}"
             f"| {r['measured_over_predicted'] or float('nan'):.2f} |"
         )
     lines += ["", "Commands:", ""] + [f"- {r['plan']}: `{r['command']}`" for r in result["runs"]]

@@ -144,7 +144,7 @@ def _fit_and_save(args, base, m: Measured, shape, devices_per_node) -> None:
     compute_fit = fit_compute(m.compute)
     intra_fit = fit_link(intra) if intra else None
     inter_fit = fit_link(inter) if inter else None
-    step_fit = fit_step(m.host, m.optimizer)
+    step_fit = fit_step(m.host, m.optimizer, compute_fit.mem_bandwidth_GBps)
     profile = build_profile(args.name, base, compute_fit, intra_fit, inter_fit, devices_per_node, step_fit)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -176,8 +176,8 @@ def _report(profile, compute_fit, intra_fit, inter_fit, step_fit, kept, base, ou
         if fit is not None:
             note(f"{label} link: latency {fit.link.latency_us:.3g} us, bandwidth {fit.link.bandwidth_GBps:.4g} GB/s, "
                  f"{fit.link.call_overhead_us:.4g} us per call (fit error {100 * fit.rel_rms:.1f}% rms)", True)
-    note(f"host: {step_fit.host_us_per_node:.3g} us per graph node (fit error {100 * step_fit.rel_rms['host']:.1f}% rms)",
-         True)
+    note(f"host: {step_fit.host_us_per_node:.3g} us per graph node, {step_fit.alloc_us_per_byte * 4096:.3g} us per "
+         f"fresh 4 KiB page of output (fit error {100 * step_fit.rel_rms['host']:.1f}% rms)", True)
     note(f"optimizer (clip + AdamW): {step_fit.optimizer_us_per_tensor:.4g} us per tensor, "
          f"{step_fit.optimizer_us_per_element * 1e3:.3g} ns per local element, {step_fit.optimizer_fixed_us:.4g} us "
          f"per step (fit error {100 * step_fit.rel_rms['optimizer']:.1f}% rms)", True)

@@ -9,9 +9,11 @@ its rates, so each fit is one weighted linear least-squares problem:
   k = 2 for all_reduce and 1 for all_gather, reduce_scatter and all_to_all;
   the per-call cost is fitted only when groups of two sizes were timed (with
   one size it cannot be told from the latency, and stays 0);
-* the step outside the graph (``measure_step.py``): ``us = nodes * host + c``
-  for an FX graph of small ops, and ``us = tensors * a + elements * b + fixed``
-  for clipping plus AdamW.
+* the step outside the graph (``measure_step.py``): ``us = nodes * host +
+  fresh_bytes * alloc + moved_bytes / M + c`` for FX graphs of small ops and of
+  activation-sized ones whose outputs stay alive (M from the compute fit, so
+  the kernels' own traffic is not counted twice), and ``us = tensors * a +
+  elements * b + fixed`` for clipping plus AdamW.
 
 Rows are divided by the measured time, so the fit minimises relative error:
 a 20 us latency-bound message counts as much as a 20 ms bandwidth-bound one.
@@ -55,6 +57,8 @@ class CommSample:
 class HostSample:
     nodes: int  # call_function nodes of the graph run
     us: float
+    fresh_bytes: float = 0.0  # bytes of the outputs the graph allocates (views allocate none)
+    moved_bytes: float = 0.0  # bytes its kernels read + write
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class StepFit:
     """The step's costs outside the planned graph; see HardwareProfile's fields of these names."""
 
     host_us_per_node: float
+    alloc_us_per_byte: float
     optimizer_us_per_tensor: float
     optimizer_us_per_element: float
     optimizer_fixed_us: float
@@ -151,25 +156,38 @@ def _positive(value: float) -> float:
     return max(0.0, float(value))
 
 
-def fit_step(host: list[HostSample], optimizer: list[OptimizerSample]) -> StepFit:
-    """Per-node host time, and the optimizer's per-tensor, per-element and fixed costs."""
+def fit_step(host: list[HostSample], optimizer: list[OptimizerSample], mem_bandwidth_GBps: float = 0.0) -> StepFit:
+    """Per-node host time, per-byte cost of fresh outputs, and the optimizer's per-tensor, per-element and fixed costs."""
     if len({s.nodes for s in host}) < 2:
         raise FitError("the host fit needs graphs of at least two sizes")
     if len({(s.tensors, s.elements) for s in optimizer}) < 3:
         raise FitError("the optimizer fit needs at least three (tensors, elements) settings")
-    rows = np.array([[s.nodes, 1.0] for s in host], dtype=float)
-    host_coef, host_rms = _solve(rows, np.array([s.us for s in host]))
-    if host_coef[0] <= 0:
-        raise FitError("graph timings do not grow with the number of nodes; use larger graphs")
+    host_coef, host_rms = _fit_host(host, mem_bandwidth_GBps)
     rows = np.array([[s.tensors, s.elements, 1.0] for s in optimizer], dtype=float)
     opt_coef, opt_rms = _solve(rows, np.array([s.us for s in optimizer]))
     return StepFit(
         host_us_per_node=float(host_coef[0]),
+        alloc_us_per_byte=_positive(host_coef[1]),
         optimizer_us_per_tensor=_positive(opt_coef[0]),
         optimizer_us_per_element=_positive(opt_coef[1]),
         optimizer_fixed_us=_positive(opt_coef[2]),
         rel_rms={"host": host_rms, "optimizer": opt_rms},
     )
+
+
+def _fit_host(host: list[HostSample], mem_bandwidth_GBps: float) -> tuple[list[float], float]:
+    """(us per node, us per fresh byte); the kernels' traffic at bandwidth M is known and taken off first."""
+    # The per-byte cost is separable from the per-node one only if graphs allocate different bytes per node.
+    with_alloc = len({round(s.fresh_bytes / s.nodes) for s in host}) > 1
+    traffic = np.array([s.moved_bytes / (mem_bandwidth_GBps * 1e3) if mem_bandwidth_GBps > 0 else 0.0 for s in host])
+    rows = np.array([[s.nodes, s.fresh_bytes, 1.0] if with_alloc else [s.nodes, 1.0] for s in host], dtype=float)
+    us = np.array([s.us for s in host])
+    if np.any(us - traffic <= 0):
+        raise FitError("graph timings are below their kernels' memory traffic; check the copy timings")
+    coef, rms = _solve(rows, us - traffic)
+    if coef[0] <= 0:
+        raise FitError("graph timings do not grow with the number of nodes; use larger graphs")
+    return [float(coef[0]), float(coef[1]) if with_alloc else 0.0], rms
 
 
 def build_profile(
@@ -209,6 +227,7 @@ def build_profile(
 def _step_fields(step: StepFit) -> dict[str, float]:
     return {
         "host_us_per_node": step.host_us_per_node,
+        "alloc_us_per_byte": step.alloc_us_per_byte,
         "optimizer_us_per_tensor": step.optimizer_us_per_tensor,
         "optimizer_us_per_element": step.optimizer_us_per_element,
         "optimizer_fixed_us": step.optimizer_fixed_us,

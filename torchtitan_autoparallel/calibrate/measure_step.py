@@ -8,6 +8,12 @@ step also pays
   shapes that call, not the kernel, is the time, and where ranks share CPU
   cores each rank gets only its share of one. ``measure_host`` runs such
   graphs of small ops on every rank at once, so the sharing is in the timing;
+* first touch of fresh outputs: an activation-sized output (hundreds of KiB)
+  is a new allocation that the CPU allocator maps from the OS, and each of
+  its 4 KiB pages faults on first write (~2 us alone, ~4 us with four ranks
+  on two cores: more than the kernel's own traffic). ``measure_host`` also
+  runs chains of activation-sized ops whose outputs stay alive, as forward
+  activations do until the backward uses them;
 * the optimizer: clipping by the global norm (one all-reduce of a scalar)
   and AdamW over each rank's parameter shards, run by the trainer's own
   functions on DTensor parameters over the live mesh, so DTensor's per-op
@@ -31,16 +37,22 @@ _SIDE = 16
 @dataclass(frozen=True)
 class StepSettings:
     host_nodes: tuple[int, ...]  # graph sizes, in call_function nodes
+    alloc_graphs: tuple[tuple[int, int], ...]  # (nodes, float32 elements per output), outputs kept alive
     optimizer: tuple[tuple[int, int], ...]  # (tensors, local elements per tensor)
 
     @property
     def steps(self) -> int:
-        return len(self.host_nodes) + len(self.optimizer)
+        return len(self.host_nodes) + len(self.alloc_graphs) + len(self.optimizer)
 
 
 def default_step_settings() -> StepSettings:
     # Around the debug models' ~2,000 nodes and ~50 tensors of 10^4-10^6 elements.
-    return StepSettings((300, 1200, 2400), ((8, 4096), (32, 4096), (8, 65536), (32, 65536), (16, 262144)))
+    # Activations of those models at seq 128: 64 KiB to 1 MiB per output, tens of MiB alive at once.
+    return StepSettings(
+        (300, 1200, 2400),
+        ((120, 16384), (60, 65536), (30, 262144)),
+        ((8, 4096), (32, 4096), (8, 65536), (32, 65536), (16, 262144)),
+    )
 
 
 def host_graph(nodes: int) -> fx.GraphModule:
@@ -59,6 +71,18 @@ def host_graph(nodes: int) -> fx.GraphModule:
     return fx.GraphModule(nn.Module(), g)
 
 
+def alloc_graph(nodes: int) -> fx.GraphModule:
+    """A chain of ``nodes`` out-of-place ops that returns every output, so all stay allocated to the end."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    outs = []
+    for _ in range(nodes):
+        x = g.call_function(torch.ops.aten.mul.Scalar, (x, 0.5))
+        outs.append(x)
+    g.output(tuple(outs))
+    return fx.GraphModule(nn.Module(), g)
+
+
 def graph_nodes(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
@@ -73,9 +97,24 @@ def measure_host(settings: StepSettings, device: torch.device, repeats: int, pro
         nodes = graph_nodes(gm)
         with torch.no_grad():
             us = time_us(lambda: gm(x), repeats, device)
-        samples.append(HostSample(nodes, us))
+        samples.append(HostSample(nodes, us, fresh_bytes=2.0 * nodes / 6 * x.numel() * 4.0))  # add, mul per round
         progress.step(f"FX graph of {nodes} small ops ({us / nodes:.1f} us/node)", us)
+    for nodes, elements in settings.alloc_graphs:
+        samples.append(_time_alloc_graph(nodes, elements, device, repeats))
+        progress.step(f"FX graph of {nodes} ops on {elements * 4 // 1024} KiB outputs, kept alive "
+                      f"({samples[-1].us / nodes:.1f} us/node)", samples[-1].us)
     return samples
+
+
+def _time_alloc_graph(nodes: int, elements: int, device: torch.device, repeats: int) -> HostSample:
+    from torchtitan_autoparallel.calibrate.measure import time_us
+
+    gm, x = alloc_graph(nodes), torch.randn(elements, device=device)
+    with torch.no_grad():
+        # Returned outputs are dropped inside the timed call: their release is part of a step too.
+        us = time_us(lambda: gm(x), repeats, device)
+    fresh = nodes * elements * 4.0
+    return HostSample(nodes, us, fresh_bytes=fresh, moved_bytes=2.0 * fresh)
 
 
 def measure_optimizer(settings: StepSettings, mesh, device: torch.device, repeats: int, progress) -> list[OptimizerSample]:

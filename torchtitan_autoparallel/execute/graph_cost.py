@@ -6,7 +6,9 @@ bucketing merges the per-tensor all-gathers and reduce-scatters into a few
 large calls, and DTensor's redistributions and decompositions add nodes. A
 prediction compared with a measured step must price that program: here its
 collectives go through the same ``collective_time_us`` with the profile's
-links, and its nodes are counted for the per-node host cost.
+links, its nodes are counted for the per-node host cost, and the bytes its
+nodes allocate for their outputs for the first-touch cost of fresh memory
+(views, in-place ops and waits allocate nothing).
 """
 
 from __future__ import annotations
@@ -35,16 +37,18 @@ class GraphCost:
     nodes: int  # ATen calls the executor makes per step (getitem of a tuple is no call)
     collectives: dict[str, int]  # kind -> calls per step
     comm_us: float
+    fresh_bytes: float = 0.0  # output bytes the nodes allocate per step
 
 
 def graph_cost(gm: fx.GraphModule, mesh, profile: HardwareProfile) -> GraphCost:
     links = mesh_dim_links(tuple(mesh.mesh.shape), profile)
     dims = {mesh.get_group(i).group_name: i for i in range(mesh.ndim)}
-    nodes, calls, comm = 0, Counter(), 0.0
+    nodes, calls, comm, fresh = 0, Counter(), 0.0, 0.0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         nodes += 1
+        fresh += fresh_bytes(node)
         kind = _kind(node)
         if kind is None:
             continue
@@ -54,7 +58,24 @@ def graph_cost(gm: fx.GraphModule, mesh, profile: HardwareProfile) -> GraphCost:
         dim = dims[group]
         calls[kind] += 1
         comm += collective_time_us(kind, _charged_bytes(node, kind), mesh.size(dim), links[dim])
-    return GraphCost(nodes, dict(sorted(calls.items())), comm)
+    return GraphCost(nodes, dict(sorted(calls.items())), comm, fresh)
+
+
+# Return no alias in their schemas, yet allocate nothing new.
+_NO_ALLOC = {"_unsafe_view", "wait_tensor"}
+
+
+def fresh_bytes(node: fx.Node) -> float:
+    """Bytes of the new buffers a node's outputs need: 0 for views, in-place ops and waits."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return 0.0
+    schema = target._schema
+    if schema.name.split("::")[-1] in _NO_ALLOC or any(r.alias_info is not None for r in schema.returns):
+        return 0.0
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return float(sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)))
 
 
 def _kind(node: fx.Node) -> str | None:

@@ -14,7 +14,9 @@ from typing import Any
 
 PEAK_DTYPES = ("float32", "bfloat16", "float16")
 # Fields with a default of 0, so that profiles saved before they existed still load.
-_STEP_FIELDS = ("host_us_per_node", "optimizer_us_per_tensor", "optimizer_us_per_element", "optimizer_fixed_us")
+_STEP_FIELDS = (
+    "host_us_per_node", "alloc_us_per_byte", "optimizer_us_per_tensor", "optimizer_us_per_element", "optimizer_fixed_us"
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class HardwareProfile:
     # The step's costs outside the planned graph (calibrate/measure_step.py);
     # 0 (not modelled) in the built-in profiles and in profiles saved before them.
     host_us_per_node: float = 0.0  # host time to run one node of the executed graph
+    # First touch of a node's freshly allocated output (page faults: the CPU
+    # allocator hands large buffers back to the OS, so each new one faults in).
+    alloc_us_per_byte: float = 0.0
     optimizer_us_per_tensor: float = 0.0  # clipping + AdamW, per parameter tensor
     optimizer_us_per_element: float = 0.0  # ... per local parameter element
     optimizer_fixed_us: float = 0.0  # ... per step (clipping's one all-reduce of a scalar)

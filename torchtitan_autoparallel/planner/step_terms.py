@@ -10,9 +10,10 @@ They are added to the prediction, not to the ILP objective: the optimizer's
 per-element term already favours sharded parameters through the memory
 term's choices, and the node count of the executed graph is only known once
 the executor has traced it (a redistribution becomes several nodes there).
-At plan time ``host_us`` counts the planned graph's nodes; the trainer's plan
-check replaces it, and the communication, by what the compiled graph runs
-(``execute/graph_cost.py``).
+At plan time ``host_us`` counts the planned graph's nodes and ``alloc_us``
+(first touch of the fresh memory the nodes' outputs take, page faults on
+CPU) is 0; the trainer's plan check replaces both, and the communication, by
+what the compiled graph runs (``execute/graph_cost.py``).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ class StepTerms:
     overlap_savings_us: float
     host_us: float
     optimizer_us: float
+    alloc_us: float = 0.0  # first touch of fresh output memory; known once the executed graph is
 
     @property
     def total_us(self) -> float:
-        return self.compute_us + self.comm_us - self.overlap_savings_us + self.host_us + self.optimizer_us
+        return (self.compute_us + self.comm_us - self.overlap_savings_us + self.host_us + self.optimizer_us
+                + self.alloc_us)
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "total_us": self.total_us}
@@ -44,6 +47,10 @@ class StepTerms:
 
 def host_us(nodes: int, profile: HardwareProfile) -> float:
     return nodes * profile.host_us_per_node
+
+
+def alloc_us(fresh_bytes: float, profile: HardwareProfile) -> float:
+    return fresh_bytes * profile.alloc_us_per_byte
 
 
 def optimizer_us(tensors: int, elements: float, profile: HardwareProfile) -> float:
@@ -87,4 +94,5 @@ def plan_terms(plan) -> StepTerms:
         overlap_savings_us=p.get("overlap_savings_us", 0.0),
         host_us=p.get("host_us", 0.0),
         optimizer_us=p.get("optimizer_us", 0.0),
+        alloc_us=p.get("alloc_us", 0.0),
     )

@@ -1,10 +1,13 @@
 """The plan's predicted step time next to the measured one, and the plan in TensorBoard.
 
 ``MetricsLogger`` owns one ``PlanCheck`` when the run trains a planned
-(automatic) model. The measured step time is the mean wall time of the steps
-after the first ``WARMUP_STEPS`` (which pay for lazy initialisation, the
-allocator's growth, the compile of the step and, on GPU, kernel autotuning),
-so the ratio compares the cost model with the steady state it models.
+(automatic) model. The measured step time is the median wall time of the
+steps after the first ``WARMUP_STEPS`` (which pay for lazy initialisation,
+the allocator's growth, the compile of the step and, on GPU, kernel
+autotuning), so the ratio compares the cost model with the steady state it
+models. The median, not the mean: on a shared machine a single step slowed
+by other work (seconds, against a step of hundreds of ms) would move a mean
+of a dozen steps by tens of percent.
 
 The prediction starts as the plan's (``planner/step_terms.py``: compute,
 communication, host time per node, optimizer). Once the step is compiled,
@@ -15,15 +18,16 @@ prediction prices the program that is measured.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field, replace
 
 from torchtitan_autoparallel.planner.plan import Plan
-from torchtitan_autoparallel.planner.step_terms import StepTerms, host_us, plan_terms
+from torchtitan_autoparallel.planner.step_terms import StepTerms, alloc_us, host_us, plan_terms
 
 WARMUP_STEPS = 2
 # StepTerms field -> metrics key stem (predicted_<stem>_s)
 _TERM_KEYS = {"compute_us": "compute", "comm_us": "comm", "overlap_savings_us": "overlap",
-              "host_us": "host", "optimizer_us": "optimizer"}
+              "host_us": "host", "optimizer_us": "optimizer", "alloc_us": "alloc"}
 
 
 @dataclass
@@ -42,16 +46,17 @@ class PlanCheck:
 
     def use_graph(self, cost, profile) -> None:
         """Price what the compiled step runs (an ``execute.graph_cost.GraphCost``) instead of the plan's estimate."""
-        self.terms = replace(self.terms, comm_us=cost.comm_us, host_us=host_us(cost.nodes, profile))
+        self.terms = replace(self.terms, comm_us=cost.comm_us, host_us=host_us(cost.nodes, profile),
+                             alloc_us=alloc_us(cost.fresh_bytes, profile))
         self.source = "compiled graph"
 
     def add_step(self, seconds: float) -> None:
         self.step_seconds.append(seconds)
 
     def measured_step_s(self) -> float | None:
-        """Mean over the steady-state steps so far; None until there is one."""
+        """Median over the steady-state steps so far; None until there is one."""
         steady = self.step_seconds[WARMUP_STEPS:]
-        return sum(steady) / len(steady) if steady else None
+        return statistics.median(steady) if steady else None
 
     def fields(self) -> dict[str, float]:
         """What each metrics record gains: the prediction and its terms, and the measurement once steady."""
@@ -73,7 +78,7 @@ class PlanCheck:
         t = self.terms
         overlap = f" - overlap {t.overlap_savings_us / 1e3:.1f}" if t.overlap_savings_us else ""
         return (f"compute {t.compute_us / 1e3:.1f} + comm {t.comm_us / 1e3:.1f}{overlap} + host {t.host_us / 1e3:.1f} "
-                f"+ optimizer {t.optimizer_us / 1e3:.1f} ms, from the {self.source}")
+                f"+ fresh memory {t.alloc_us / 1e3:.1f} + optimizer {t.optimizer_us / 1e3:.1f} ms, from the {self.source}")
 
     def summary(self) -> str:
         measured = self.measured_step_s()
@@ -87,7 +92,7 @@ class PlanCheck:
         f = self.fields()
         return (
             f"{predicted}, measured {measured * 1e3:.3f} ms/step "
-            f"(mean of steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + n}), measured/predicted {f['measured_over_predicted']:.2f}"
+            f"(median of steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + n}), measured/predicted {f['measured_over_predicted']:.2f}"
         )
 
 
@@ -98,6 +103,7 @@ def _term_scalars(terms: StepTerms) -> dict[str, float]:
         "plan/predicted_overlap_ms": terms.overlap_savings_us / 1e3,
         "plan/predicted_host_ms": terms.host_us / 1e3,
         "plan/predicted_optimizer_ms": terms.optimizer_us / 1e3,
+        "plan/predicted_alloc_ms": terms.alloc_us / 1e3,
         "plan/predicted_step_ms": terms.total_us / 1e3,
     }
 
