@@ -35,7 +35,7 @@ from torch import fx
 from torchtitan_autoparallel.execute.bucketing import check_same_buckets
 from torchtitan_autoparallel.execute.cache import package_version
 from torchtitan_autoparallel.execute.graph_io import PackedGraph, pack, unpack
-from torchtitan_autoparallel.execute.overlap import is_collective
+from torchtitan_autoparallel.execute.overlap import group_name, is_collective
 from torchtitan_autoparallel.execute.step import PlannedStep
 
 log = logging.getLogger("torchtitan_autoparallel.execute")
@@ -59,11 +59,10 @@ class GraphEntry:
 
 def graph_key(planned: PlannedStep, local_tokens: torch.Tensor, local_labels: torch.Tensor) -> str:
     """Everything the compiled graph of this rank depends on, hashed."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     parts = [
         f"format {FORMAT_VERSION} package {package_version()} torch {torch.__version__}",
-        f"rank {rank} of {world}; mesh {planned.mesh.mesh.tolist()} {planned.mesh.mesh_dim_names}",
+        f"rank {_rank()} of {world}; mesh {planned.mesh.mesh.tolist()} {planned.mesh.mesh_dim_names}",
         f"device {planned.mesh.device_type}; portable {planned.portable_kernels}",
         f"bucket {planned.bucket_collectives}; overlap {planned.overlap_execution}",
         f"batch {_describe(local_tokens)} {_describe(local_labels)}",
@@ -84,8 +83,7 @@ def compile_cached(
         planned.compile_local(local_tokens, local_labels)
         return False
     key = graph_key(planned, local_tokens, local_labels)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    path = Path(cache_dir) / f"rank{rank}-{key}.pt"
+    path = Path(cache_dir) / f"rank{_rank()}-{key}.pt"
     entry = _try_load(path, key)
     if _everyone(entry is not None):
         assert entry is not None
@@ -186,15 +184,8 @@ def _check_groups(entry: GraphEntry) -> None:
 
 
 def _named_groups(gm: fx.GraphModule) -> list[str]:
-    """The group-name arguments of the collectives (the last string argument of each call:
-    the others name reduce ops)."""
-    names = []
-    for node in gm.graph.nodes:
-        if is_collective(node):
-            strings = [a for a in node.args if isinstance(a, str)]
-            if strings:
-                names.append(strings[-1])
-    return names
+    names = (group_name(node) for node in gm.graph.nodes if is_collective(node))
+    return [name for name in names if name is not None]
 
 
 def _everyone(mine: bool) -> bool:
@@ -204,6 +195,10 @@ def _everyone(mine: bool) -> bool:
     votes: list[bool | None] = [None] * dist.get_world_size()
     dist.all_gather_object(votes, mine)
     return all(votes)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _resolve(name: str):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from torchtitan_autoparallel.execute.overlap import group_name
 from torchtitan_autoparallel.planner.cost_model import collective_time_us, mesh_dim_links
 from torchtitan_autoparallel.planner.profiles import HardwareProfile
 
@@ -52,7 +53,7 @@ def graph_cost(gm: fx.GraphModule, mesh, profile: HardwareProfile) -> GraphCost:
         kind = _kind(node)
         if kind is None:
             continue
-        group = next(a for a in reversed(node.args) if isinstance(a, str))
+        group = group_name(node)
         if group not in dims:
             raise ValueError(f"{node.name}: {kind} over group {group!r}, which is no dim of the mesh")
         dim = dims[group]

@@ -61,6 +61,12 @@ def is_collective(node: fx.Node) -> bool:
     return node.op == "call_function" and str(node.target).startswith(_NAMESPACES) and not is_wait(node)
 
 
+def group_name(node: fx.Node) -> str | None:
+    """The process group a functional collective names: its last string argument (the
+    others name reduce ops)."""
+    return next((a for a in reversed(node.args) if isinstance(a, str)), None)
+
+
 def is_mutating(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return node.op == "call_function" and schema is not None and schema.is_mutable

@@ -24,6 +24,8 @@ from torchtitan_autoparallel.errors import ConfigError, UserError
 from torchtitan_autoparallel.train.preflight import check, parse_ngpu
 
 CPU_DEFAULT_RANKS = 4
+TRAIN_MODULE = "torchtitan_autoparallel.train.main"
+USAGE = "usage: launch --ngpu N|auto [torchrun options] -- -m MODULE [ARGS...]"
 
 
 def main(argv: list[str]) -> int:
@@ -31,7 +33,7 @@ def main(argv: list[str]) -> int:
         ngpu_arg, torchrun_args, module, module_args = _split(argv)
         gpus = _gpu_count()
         ngpu = parse_ngpu(ngpu_arg) if ngpu_arg != "auto" else (gpus or CPU_DEFAULT_RANKS)
-        if module == "torchtitan_autoparallel.train.main":
+        if module == TRAIN_MODULE:
             check(load_config(module_args), ngpu)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -39,7 +41,7 @@ def main(argv: list[str]) -> int:
     if gpus == 0:
         # CPU ranks share the cores: give each an equal slice so they don't thrash.
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ngpu)))
-    if os.environ.get("COMM_MODE") == "fake_backend" and module == "torchtitan_autoparallel.train.main":
+    if os.environ.get("COMM_MODE") == "fake_backend" and module == TRAIN_MODULE:
         os.environ["NGPU"] = str(ngpu)
         sys.argv = [module, *module_args]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -53,11 +55,11 @@ def main(argv: list[str]) -> int:
 def _split(argv: list[str]) -> tuple[str, list[str], str, list[str]]:
     """``--ngpu N [torchrun options] -- -m MODULE ARGS`` -> its four parts."""
     if len(argv) < 2 or argv[0] != "--ngpu" or "--" not in argv:
-        raise ConfigError("usage: launch --ngpu N|auto [torchrun options] -- -m MODULE [ARGS...]")
+        raise ConfigError(USAGE)
     cut = argv.index("--")
     rest = argv[cut + 1 :]
     if len(rest) < 2 or rest[0] != "-m":
-        raise ConfigError("usage: launch --ngpu N|auto [torchrun options] -- -m MODULE [ARGS...]")
+        raise ConfigError(USAGE)
     return argv[1], argv[2:cut], rest[1], rest[2:]
 
 
