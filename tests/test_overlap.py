@@ -13,7 +13,6 @@ from torchtitan_autoparallel.planner.solvers.overlap import (
     OverlapSolver,
     overlap_breakdown,
     overlap_savings,
-    overlap_solver,
 )
 from torchtitan_autoparallel.planner.solvers.overlap_model import OverlapSpec
 
@@ -161,16 +160,6 @@ def test_memory_budget_and_ties_still_hold_with_overlap():
     sol = OverlapSolver(spec).solve(problem)
     assert problem.is_feasible(sol.assignment)
     assert sol.objective == pytest.approx(_brute_force(problem, spec), abs=1e-6)
-
-
-def test_approximate_solvers_are_sent_to_the_exact_path(caplog):
-    spec = OverlapSpec(3, prefetch=[0], backward=[])
-    for name in ("approx", "auto"):
-        with caplog.at_level("WARNING", logger="torchtitan_autoparallel.planner"):
-            solver = overlap_solver(name, "highs", spec)
-        assert not solver.relax and "exact ILP path" in caplog.text
-        caplog.clear()
-    assert overlap_solver("lp", "highs", spec).relax
 
 
 @pytest.mark.usefixtures("fake_world")

@@ -119,46 +119,61 @@ def changes(result: dict) -> tuple[list[str], list[str]]:
 
 
 NOTES = """\
-What the rows say. With overlap on, the savings model is now solved on the
-presolved problem (`planner/solvers/overlap_presolve.py`: ties collapsed,
-energy-only nodes eliminated, the rest kept with every member's compute and
-edges priced at its own step position; exact, see docs/planner.md) and the
-reported savings are recomputed on the full problem after expansion.
+What the rows say. `bound` is the proven lower bound on the effective step
+time; `ilp` rows solve the overlap MIP on the overlap-exact presolved problem
+(`planner/solvers/overlap_presolve.py`), warm-started by the theta sweep;
+`approx` rows are the sweep alone (`planner/solvers/overlap_lagrange.py`:
+seven TRW-S solves of the plain problem with compute scaled by 1 - theta and
+overlappable communication by theta; each plan scored exactly; the bound is
+the best theta's, valid because no plan saves more than min(compute,
+overlappable communication)). Savings are always recomputed on the full
+problem.
 
-* debug model: overlap re-shards two weights and turns gradient reductions
+* debug model: the MIP re-shards two weights and turns gradient reductions
   into reduce-scatters the backward can hide; effective step 1421 us -> 802 us
-  (the MIP stops at its 0.1% gap: bound 801.6 us). Solve 12 s (23.5 s on the
-  full model before; there are no ties, so the presolve removes little).
-* LLaMA3-8B 8x8: the overlap presolve takes the problem from 5843 nodes /
-  2.82M variables to 202 nodes / 84K variables, and the overlap ILP stops at
-  its 0.1% gap in 58 s (bound 156541 us); before, the unreduced model hit the
-  300 s limit and returned its warm start (effective 182400 us). The plan is
-  new (wqkv, w2, w3 re-sharded): its compute doubles (51.2 -> 106.1 ms) but
-  most exposed activation redistributions go (activation all-gathers over
-  dp_shard 65 -> 4, activation all-to-alls over tp 99 -> 4), traded for
-  parameter all-gathers that hide behind that compute (161 -> 225 over tp). Predicted: sum 262.8 ms, of which 106.1 ms
-  hidden, effective 156.7 ms against 233.6 ms with overlap off (-33%). Peak
-  activation memory per device doubles (5.7 -> 11.4 GiB); no memory budget
-  was set. Peak RSS of the whole run: 1.3 GiB.
-* LLaMA3-70B 8x8x8: no longer killed (peak RSS 7.4 GiB, it was OOM-killed at
-  24 GiB unreduced). The overlap presolve leaves 203 nodes / 1.91M variables
-  (the plain presolve: 97 / 0.79M): nearly every backward node ends a
-  gradient-side (overlappable) edge, so it must stay. HiGHS does not finish
-  that model's root LP within 240 s, nor within 540 s (the row above; the
-  solve stops 6 s past its limit; 25 s past it before the MIP was given only
-  what the warm start and presolve leave), so the solve returns its warm
-  start, the plain optimum (status time_limit, no useful bound), priced
-  exactly: all 377.0 ms of compute hides, effective 1128.2 ms against
-  1505.2 ms. Finding a better overlap plan at this size is open.
+  (bound 801 us, the MIP's 0.1% gap) in 11 s. The sweep alone gets 904 us in
+  1.7 s, and its bound (734 us) is loose here: it ignores the chain order
+  (what may hide behind what), and on this small step the order binds.
+* LLaMA3-8B 8x8: the MIP stops at its 0.1% gap (bound 156541 us) with an
+  effective 156.7 ms against 233.6 ms with overlap off (-33%); 87 s here (58 s
+  in an earlier run with the machine less loaded). The plan re-shards wqkv,
+  w2, w3: compute doubles (51.2 -> 106.1 ms) but most exposed activation
+  redistributions go, traded for parameter all-gathers that hide behind that
+  compute. The sweep alone: 158.0 ms in 3.8 s, 0.9% above the MIP's bound.
+* LLaMA3-70B 8x8x8: the overlap presolve leaves 203 nodes / 1.91M variables
+  (nearly every backward node ends a gradient-side edge, so it must stay),
+  and HiGHS does not finish that model's root LP in the 540 s limit. The
+  sweep does the work: effective step 1128.2 ms (the plain plan, all its
+  377 ms of compute hidden) -> 1012.3 ms (-10.3%), with a bound of 1008.4 ms,
+  so the plan is certified within 0.38% of the overlap optimum. `approx`
+  gets it in 46 s (3.6 GiB peak RSS); `ilp` returns the same plan and bound
+  at its time limit (status time_limit; 7.0 GiB peak RSS for the MIP). The
+  plan re-shards wqkv and wo in every layer (their tp and dp_shard dims
+  swap): compute rises 377 -> 789 ms, activation all-gathers and all-to-alls
+  nearly vanish (tp all-to-alls: activation 243 -> 3, gradient 324 -> 2), parameter gathers over tp
+  rise 401 -> 562; 785 of the 789 ms of compute hides communication.
 
-Commands (each under `flock /tmp/cpu.lock`):
-`.venv/bin/python experiments/overlap/run.py --only debug`,
-`.venv/bin/python experiments/overlap/run.py --only 8B`,
-`.venv/bin/python experiments/overlap/run.py --only 70B --time-limit 540`
-(peak RSS from `/usr/bin/time -v`: 7.4 GiB).
+Commands (each under `flock /tmp/cpu.lock`; peak RSS from `/usr/bin/time`):
+`.venv/bin/python experiments/overlap/run.py --only debug --solver ilp` (and `--solver approx`),
+`.venv/bin/python experiments/overlap/run.py --only 8B --solver ilp --time-limit 300` (and `--solver approx`),
+`.venv/bin/python experiments/overlap/run.py --only 70B --solver approx --time-limit 300`,
+`.venv/bin/python experiments/overlap/run.py --only 70B --solver ilp --time-limit 540`.
 
 Measured execution with the executor's overlap on and off (4 CPU ranks):
 `measured.md` beside this file."""
+
+
+SOLVER_ORDER = ("ilp", "lp", "approx", "auto")
+
+
+def _key(result: dict) -> tuple[str, str]:
+    return result["case"], result.get("solver", "ilp")
+
+
+def _bound(plan: dict) -> str:
+    """The proven lower bound on the objective the solve minimised ('-' when none)."""
+    bound = plan.get("lower_bound_us")
+    return "-" if bound is None or bound < 0 else f"{bound:.0f}"
 
 
 def write_markdown(results: list[dict], path: Path) -> None:
@@ -170,12 +185,13 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "(parameter gathers prefetched ahead of their use, gradient reductions behind later backward",
         "compute). With overlap off, nothing is hidden and the plan is priced by its sum.",
         "",
-        "| case | overlap | solver | status | compute us | comm us | sum us | saved us | effective us | solve s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | overlap | solver | status | compute us | comm us | sum us | saved us | effective us "
+        "| bound us | solve s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['case']} | failed: {r['error']} |  |  |  |  |  |  |  |  |")
+            lines.append(f"| {r['case']} | failed: {r['error']} |  |  |  |  |  |  |  |  |  |")
             continue
         for key in ("off", "on"):
             p, plan = r[key]["predicted"], r[key]
@@ -183,7 +199,7 @@ def write_markdown(results: list[dict], path: Path) -> None:
             lines.append(
                 f"| {r['case']} | {key} | {plan['solver']} | {plan['status']} | {p['compute_us']:.0f} "
                 f"| {p['comm_us']:.0f} | {p['total_us']:.0f} | {saved:.0f} | {p['total_us'] - saved:.0f} "
-                f"| {plan['timings'].get('solve', 0):.1f} |"
+                f"| {_bound(plan)} | {plan['timings'].get('solve', 0):.1f} |"
             )
     lines += [f"\n{r['case']}: {r['note']}" for r in results if r.get("note")]
     lines += ["", NOTES]
@@ -191,7 +207,7 @@ def write_markdown(results: list[dict], path: Path) -> None:
         if "error" in r:
             continue
         moved, diff = changes(r)
-        lines += ["", f"## {r['case']}", "", f"Placements that changed ({len(moved)}):", ""]
+        lines += ["", f"## {r['case']} (solver {r.get('solver', 'ilp')})", "", f"Placements that changed ({len(moved)}):", ""]
         lines += [f"- {m}" for m in moved[:40]] or ["- none"]
         lines += ["", "Collectives per step that changed (kind/purpose/mesh dim: off -> on):", ""]
         lines += [f"- {d}" for d in diff] or ["- none"]
@@ -203,7 +219,7 @@ def write_markdown(results: list[dict], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="run the cases whose name contains this text")
-    parser.add_argument("--solver", default="ilp", choices=("ilp", "lp"))
+    parser.add_argument("--solver", default="ilp", choices=SOLVER_ORDER)
     parser.add_argument("--time-limit", type=float, default=600.0, help="per solve, seconds")
     parser.add_argument("--report-only", action="store_true", help="rewrite README.md from results.json")
     args = parser.parse_args()
@@ -215,15 +231,18 @@ def main() -> int:
     if not cases:
         print(f"error: no case matches {args.only!r}; cases: {[c.name for c in CASES]}", file=sys.stderr)
         return 2
-    previous = {r["case"]: r for r in json.loads(out.read_text())} if out.exists() else {}
+    # one row pair per (case, solver): another solver's run adds rows, it does not replace them
+    previous = {_key(r): r for r in json.loads(out.read_text())} if out.exists() else {}
     for case in cases:
         print(f"planning {case.name} (overlap off, then on) ...", flush=True)
         result = run_case(case, args.solver, args.time_limit)
         limit = "" if args.time_limit == 600.0 else f" --time-limit {args.time_limit:g}"
-        result["command"] = f".venv/bin/python experiments/overlap/run.py --only '{case.name}'{limit}"
-        previous[case.name] = result
+        result["command"] = (f".venv/bin/python experiments/overlap/run.py --only '{case.name}'"
+                             f" --solver {args.solver}{limit}")
+        result.setdefault("solver", args.solver)
+        previous[_key(result)] = result
         print(json.dumps({k: result.get(k) for k in ("case", "wall_s", "error")}), flush=True)
-    ordered = [previous[c.name] for c in CASES if c.name in previous]
+    ordered = [previous[(c.name, s)] for c in CASES for s in SOLVER_ORDER if (c.name, s) in previous]
     out.write_text(json.dumps(ordered, indent=1))
     write_markdown(ordered, HERE / "README.md")
     return 0

@@ -90,7 +90,9 @@ def plan_stages(
     and the executor runs the recomputation. ``strided_sharding`` lets the
     matmul family take the strided shards views produce (``strided.py``).
     ``overlap`` credits parameter gathers and gradient reductions hidden behind
-    compute (``overlap.py``); the exact ILP/LP path solves it.
+    compute (``overlap.py``): ``ilp``/``lp`` solve the overlap MIP/LP (warm-started
+    by the theta sweep of ``solvers/overlap_lagrange.py``), ``approx`` runs the
+    sweep on TRW-S, ``auto`` picks by problem size.
     """
     timings: dict[str, float] = {}
     peak_rss: dict[str, float] = {}

@@ -14,8 +14,11 @@ solution reports is exact. ``presolve=False`` builds the model on the full
 problem (the reference the tests compare against).
 
 The approximate solver (TRW-S) works on pairwise energies only and cannot
-express the budget chains, so ``overlap_solver`` sends ``approx`` and ``auto``
-to the exact path and says so in the log.
+express the budget chains; with overlap on it runs inside the theta sweep of
+``overlap_lagrange`` (plain solves on reweighted tables, each plan scored on
+the exact objective, with a bound). The exact path runs the same sweep first:
+its best plan warm-starts the MIP, and its bound stands where the MIP proves
+less (a model too large for its root LP in time).
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
-from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
 from torchtitan_autoparallel.planner.solvers.ilp import (
     INTEGRALITY_TOL,
     OBJECTIVE_RTOL,
@@ -46,13 +49,15 @@ from torchtitan_autoparallel.planner.solvers.overlap_model import (
     build_overlap_ilp,
     shared_argmax,
 )
+from torchtitan_autoparallel.planner.solvers.overlap_lagrange import Sweep, SweepOverlapSolver, sweep
 from torchtitan_autoparallel.planner.solvers.overlap_presolve import overlap_presolve
 from torchtitan_autoparallel.planner.solvers.overlap_terms import empty_model, fixed_terms
 from torchtitan_autoparallel.planner.solvers.presolve import ENERGY_RTOL
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 OVERLAP_MIP_GAP = 1e-3  # relative; the plan's status says "feasible" when not closed
-PLAIN_SHARE = 0.25  # of the time limit, for the plain plan that warm-starts the overlap solve
+SWEEP_SHARE = 0.3  # of the time limit, for the sweep whose best plan warm-starts the overlap MIP
+CERTIFY_RTOL = 1e-6
 
 
 @dataclass
@@ -83,6 +88,11 @@ def overlap_savings(problem: Problem, spec: OverlapSpec, assignment: np.ndarray)
     return overlap_breakdown(problem, spec, assignment).total
 
 
+def overlap_objective(problem: Problem, spec: OverlapSpec, assignment: np.ndarray) -> float:
+    """What the overlap solvers minimise, for a fixed plan: energy minus the best savings."""
+    return problem.energy(assignment) - overlap_savings(problem, spec, assignment)
+
+
 class _GapHighs(HighsILPSolver):
     """HiGHS stopping at ``OVERLAP_MIP_GAP``: the budget chains make the tree deep, and the
     last fraction of a percent costs minutes; the proven bound is reported all the same."""
@@ -102,6 +112,8 @@ class _Instance:
     expand: Callable[[np.ndarray], np.ndarray]  # its plans -> plans of the original problem
     offset: float = 0.0  # energy eliminated by the presolve
     slack: float = 0.0  # savings the model may under-credit (``OverlapTerms.slack``)
+    # plans of the original problem -> its plans (None: uses a strategy the presolve dropped)
+    restrict: Callable[[np.ndarray], np.ndarray | None] = lambda x: np.asarray(x, np.int64)
 
 
 def _instance(problem: Problem, spec: OverlapSpec, presolve: bool) -> _Instance:
@@ -111,7 +123,8 @@ def _instance(problem: Problem, spec: OverlapSpec, presolve: bool) -> _Instance:
     LOG.info("overlap %s", pre.summary())
     base = build_ilp(pre.reduced)
     terms = pre.terms(base)
-    return _Instance(pre.reduced, add_overlap(base, terms), pre.expand, pre.offset, terms.slack)
+    return _Instance(pre.reduced, add_overlap(base, terms), pre.expand, pre.offset, terms.slack,
+                     pre.pre.restrict)
 
 
 class OverlapSolver:
@@ -131,6 +144,10 @@ class OverlapSolver:
         start = time.perf_counter()
         if problem.num_nodes == 0:
             return Solution(np.zeros(0, np.int64), 0.0, 0.0, self.name, "optimal", 0.0)
+        found = self._sweep(problem, time_limit)
+        if found is not None and _certified(found.objective, found.bound):
+            LOG.info("%s: the sweep's plan meets its bound; no MIP needed", self.name)
+            return _sweep_solution(found, self.name, "optimal", start)
         try:
             inst = _instance(problem, self.spec, self.presolve)
         except InfeasibleProblem:
@@ -138,7 +155,9 @@ class OverlapSolver:
             raise
         model = inst.model
         model.completion = lambda base: _complete(model, base)
-        model.start = self._plain_start(inst.problem, model, time_limit)
+        model.start = None if found is None else inst.restrict(found.assignment)
+        if model.start is None:
+            model.start = self._plain_start(inst.problem, model, time_limit)
         LOG.info(
             "%s: %d nodes, %d edges, %d overlappable -> %s (built in %.2f s)",
             self.name, inst.problem.num_nodes, len(inst.problem.edges), len(model.saving_col),
@@ -149,9 +168,22 @@ class OverlapSolver:
             self._diagnose(problem, start, time_limit)
             raise InfeasibleProblem("no plan satisfies the constraints")
         if run.status == "no_solution":
-            return self._fallback(problem, inst, start, time_limit)
+            return self._fallback(problem, inst, found, start, time_limit)
         x = model.assignment(run.col_value) if run.status != "rounded" else run.col_value
-        return self._finish(problem, inst, x, run, start)
+        return _with_sweep(self._finish(problem, inst, x, run, start), found, start)
+
+    def _sweep(self, problem: Problem, time_limit: float | None) -> Sweep | None:
+        """The theta sweep (``overlap_lagrange``): a plan and a bound. Its plain solves go to
+        ``auto``: reweighting makes the ILP's LP fractional, and on 3-D meshes one exact
+        solve of a reweighted problem can take minutes where TRW-S takes seconds."""
+        from torchtitan_autoparallel.planner.solvers import get_solver
+
+        share = None if time_limit is None else SWEEP_SHARE * time_limit
+        try:
+            return sweep(problem, self.spec, get_solver("auto", self.backend),
+                         lambda x: overlap_objective(problem, self.spec, x), share)
+        except InfeasibleProblem:
+            return None  # the overlap solve reports it
 
     def _diagnose(self, problem: Problem, start: float, time_limit: float | None) -> None:
         """Overlap never changes feasibility: the plain solver names the culprit (and raises)."""
@@ -162,11 +194,11 @@ class OverlapSolver:
     def _plain_start(
         self, problem: Problem, model: OverlapIlpModel, time_limit: float | None
     ) -> np.ndarray | None:
-        """The plain optimum (presolved, fast) as the incumbent: the overlap plan can only
-        beat it, and a time limit then still returns a plan no worse than overlap off."""
+        """The plain optimum of the reduced problem as the incumbent, where the sweep's
+        plan uses a strategy the overlap presolve dropped."""
         from torchtitan_autoparallel.planner.solvers import get_solver
 
-        share = None if time_limit is None else PLAIN_SHARE * time_limit
+        share = None if time_limit is None else SWEEP_SHARE * time_limit
         try:
             sol = get_solver("ilp", self.backend).solve(problem, share)
         except InfeasibleProblem:
@@ -231,9 +263,13 @@ class OverlapSolver:
         )
         return Solution(full, objective, lower, self.name, status, seconds)
 
-    def _fallback(self, problem: Problem, inst: _Instance, start: float, time_limit: float | None) -> Solution:
-        """No plan in time: the plain solver's plan, scored with its savings, and no bound."""
-        LOG.warning("%s: no plan with overlap in %s s; taking the plain solver's", self.name, time_limit)
+    def _fallback(
+        self, problem: Problem, inst: _Instance, found: Sweep | None, start: float, time_limit: float | None
+    ) -> Solution:
+        """No MIP plan in time: the sweep's plan and bound (else the plain plan, no bound)."""
+        LOG.warning("%s: no plan from the overlap MIP in %s s; taking the sweep's", self.name, time_limit)
+        if found is not None:
+            return _sweep_solution(found, self.name, "time_limit", start)
         if inst.model.start is not None:
             full = inst.expand(inst.model.start)
         else:
@@ -242,6 +278,32 @@ class OverlapSolver:
             full = get_solver("ilp", self.backend).solve(problem, _remaining(start, time_limit)).assignment
         objective = problem.energy(full) - overlap_savings(problem, self.spec, full)
         return Solution(full, objective, -math.inf, self.name, "time_limit", time.perf_counter() - start)
+
+
+def _certified(objective: float, bound: float) -> bool:
+    return objective - bound <= CERTIFY_RTOL * max(abs(objective), 1.0)
+
+
+def _sweep_solution(found: Sweep, name: str, status: str, start: float) -> Solution:
+    status = "optimal" if _certified(found.objective, found.bound) else status
+    return Solution(found.assignment, found.objective, found.bound, name, status, time.perf_counter() - start)
+
+
+def _with_sweep(sol: Solution, found: Sweep | None, start: float) -> Solution:
+    """The better plan of the MIP and the sweep, with the better bound of the two."""
+    if found is None:
+        return sol
+    lower = max(sol.lower_bound, found.bound)
+    if found.objective < sol.objective:
+        LOG.info("%s: the sweep's plan (%.6g us) beats the MIP's (%.6g us)", sol.solver,
+                 found.objective, sol.objective)
+        sol = replace(sol, assignment=found.assignment, objective=found.objective)
+    lower = min(lower, sol.objective)
+    if _certified(sol.objective, lower):
+        status = "optimal"
+    else:  # a plan switched to the sweep's loses the MIP's proof
+        status = "feasible" if sol.status == "optimal" else sol.status
+    return replace(sol, lower_bound=lower, status=status, seconds=time.perf_counter() - start)
 
 
 def _solve_relaxation(highs: HighsILPSolver, model: OverlapIlpModel, time_limit: float | None) -> _Run:
@@ -278,14 +340,20 @@ def _integral(model: OverlapIlpModel, col_value: np.ndarray) -> bool:
     return bool(np.minimum(np.abs(x), np.abs(1.0 - x)).max(initial=0.0) <= INTEGRALITY_TOL)
 
 
-def overlap_solver(name: str, backend: str, spec: OverlapSpec, presolve: bool = True) -> OverlapSolver:
+def overlap_solver(name: str, backend: str, spec: OverlapSpec, presolve: bool = True) -> Solver:
     """The solver for ``[autoparallel] solver = name`` when overlap is on."""
-    if name in ("approx", "auto", "brute-force"):
-        LOG.warning(
-            "overlap: the %r solver does not model communication/computation overlap; "
-            "the problem goes to the exact ILP path instead", name,
-        )
+    from torchtitan_autoparallel.planner.solvers import get_solver
+    from torchtitan_autoparallel.planner.solvers.auto import AutoSolver
+
+    if name == "brute-force":
+        LOG.warning("overlap: the brute-force solver does not model overlap; using the exact ILP")
         return OverlapSolver(spec, backend, relax=False, presolve=presolve)
-    if name not in ("ilp", "lp"):
+    if name not in ("ilp", "lp", "approx", "auto"):
         raise ValueError(f"unknown solver {name!r}; accepted: ilp, lp, approx, auto")
-    return OverlapSolver(spec, backend, relax=name == "lp", presolve=presolve)
+    if name in ("ilp", "lp"):
+        return OverlapSolver(spec, backend, relax=name == "lp", presolve=presolve)
+    approx = SweepOverlapSolver(spec, get_solver("approx", backend, presolve),
+                                lambda problem, x: overlap_objective(problem, spec, x))
+    if name == "approx":
+        return approx
+    return AutoSolver(OverlapSolver(spec, backend, presolve=presolve), approx)

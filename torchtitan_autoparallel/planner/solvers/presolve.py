@@ -51,6 +51,21 @@ class Presolved:
         }
         return self._graph.expand(values)[self._group_of]
 
+    def restrict(self, assignment: np.ndarray) -> np.ndarray | None:
+        """The reduced plan that keeps an original plan's surviving choices (a warm start),
+        or None where the plan uses a strategy the presolve dropped."""
+        x = np.asarray(assignment, dtype=np.int64)
+        member = np.full(len(self._graph.alive), -1, dtype=np.int64)
+        member[self._group_of] = np.arange(len(x))  # one original node per collapsed node
+        out = np.empty(len(self._survivors), dtype=np.int64)
+        for i, v in enumerate(self._survivors.tolist()):
+            domain = np.asarray(self._graph.domain[v])
+            where = np.flatnonzero(domain == x[member[v]])
+            if not len(where):
+                return None
+            out[i] = where[0]
+        return out
+
     def summary(self) -> str:
         before, after = problem_size(self.original), problem_size(self.reduced)
         return (
