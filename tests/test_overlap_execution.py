@@ -208,3 +208,18 @@ def test_fsdp_losses_equal_single_device_when_overlapped(tmp_path_factory):
         assert abs(got - ref) <= REL_TOL * abs(ref), f"step {step}: {got} vs {ref}"
     assert result["executed"] == result["expected"]
     assert result["compiled_collectives"] == result["expected"]
+
+
+@pytest.mark.multirank
+def test_a_plan_made_with_overlap_trains_like_one_device(tmp_path_factory):
+    """The planner's overlap model changes the plan, not the numerics."""
+    from test_execute import REL_TOL, reference, run_parity
+
+    flags = ("--audit", "--compile", "1", "--overlap-execution", "1", "--plan-overlap", "1")
+    result = run_parity("dp_shard=2", *flags, tmp=tmp_path_factory.mktemp("fsdp2_plan_overlap"))
+    assert "error" not in result, result["error"]
+    want = reference("llama3")
+    assert len(result["losses"]) == len(want)
+    for step, (got, ref) in enumerate(zip(result["losses"], want)):
+        assert abs(got - ref) <= REL_TOL * abs(ref), f"step {step}: {got} vs {ref}"
+    assert result["executed"] == result["expected"]

@@ -44,6 +44,7 @@ class ParityConfig:
     overlap_execution: int = 0  # 1: with compile, reorder that graph for overlap (overlap.py)
     bucket_collectives: int = 0  # 1: with compile, merge that graph's collectives (bucketing.py)
     strided_sharding: int = 0  # 1: plan with [autoparallel] strided_sharding
+    plan_overlap: int = 0  # 1: plan with [autoparallel] overlap (the savings model)
 
 
 @dataclass
@@ -136,6 +137,7 @@ def run_planned(
         profile=load_profile("h100" if device_type == "cuda" else "cpu_gloo"),
         portable_kernels=bool(cfg.portable_kernels),
         strided_sharding=bool(cfg.strided_sharding),
+        overlap=bool(cfg.plan_overlap),
     )
     step = planned.step
     result = ParityResult(losses=[], grad_norms=[], plan_timings=dict(planned.plan.timings))

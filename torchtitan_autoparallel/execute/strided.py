@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
@@ -55,12 +56,20 @@ def held(
     Mesh dims cut the local tensor left to right; ``_StridedShard(d, k)`` on n
     ranks splits it into k chunks of n pieces and keeps piece ``coord`` of each.
     """
-    idx = torch.arange(size)
+    return torch.from_numpy(_rows(size, placements, sizes, coord, d))
+
+
+def _rows(
+    size: int, placements: Sequence[Placement], sizes: Sequence[int], coord: Sequence[int], d: int
+) -> np.ndarray:
+    # numpy, not torch: these are static indices, and torch ops on them would be traced
+    # (and need concrete values) when the step is re-traced into a graph (compiled.py)
+    idx = np.arange(size)
     for p, n, c in zip(placements, sizes, coord):
         if not is_shard(p) or p.dim != d:
             continue
         k = int(p.split_factor) if isinstance(p, _StridedShard) else 1
-        idx = idx.view(k, n, -1)[:, c, :].reshape(-1)
+        idx = idx.reshape(k, n, -1)[:, c, :].reshape(-1)
     return idx
 
 
@@ -163,28 +172,33 @@ def _gather(local, mesh, g, d, cur, shape, coord) -> tuple[torch.Tensor, list[Pl
     gathered = funcol.all_gather_single(local.contiguous(), d, (mesh, g))
     if isinstance(gathered, funcol.AsyncCollectiveTensor):
         gathered = gathered.wait()
-    got = torch.cat([held(shape[d], cur, sizes, _at(coord, g, r), d) for r in range(sizes[g])])
-    want = held(shape[d], new, sizes, coord, d)
+    got = np.concatenate([_rows(shape[d], cur, sizes, _at(coord, g, r), d) for r in range(sizes[g])])
+    want = _rows(shape[d], new, sizes, coord, d)
     return _reorder(gathered, d, got, want, shape[d], exact=True), new
 
 
 def _cut(local, d, size, pre, target, sizes, coord) -> torch.Tensor:
-    got, want = held(size, pre, sizes, coord, d), held(size, target, sizes, coord, d)
+    got, want = _rows(size, pre, sizes, coord, d), _rows(size, target, sizes, coord, d)
     return _reorder(local, d, got, want, size, exact=False)
 
 
-def _reorder(t: torch.Tensor, d: int, got: torch.Tensor, want: torch.Tensor, size: int, exact: bool) -> torch.Tensor:
+def _reorder(t: torch.Tensor, d: int, got: np.ndarray, want: np.ndarray, size: int, exact: bool) -> torch.Tensor:
     """``t`` (rows ``got`` along ``d``) as rows ``want``; with ``exact`` the two are one set."""
-    pos = torch.full((size,), -1, dtype=torch.long)
-    pos[got] = torch.arange(len(got))
+    pos = np.full(size, -1, dtype=np.int64)
+    pos[got] = np.arange(len(got))
     sel = pos[want]
-    if bool((sel < 0).any()) or (exact and len(got) != len(want)):
+    if (sel < 0).any() or (exact and len(got) != len(want)):
         raise StridedRedistributeError(
             f"strided step cannot produce rows {want.tolist()[:8]}... from {got.tolist()[:8]}..."
         )
-    if torch.equal(sel, torch.arange(len(got))):
+    if len(sel) == t.shape[d] and np.array_equal(sel, np.arange(len(sel))):
         return t
-    return t.index_select(d, sel.to(t.device))
+    # runs of consecutive rows as slices: views and one cat, no index tensor to trace
+    breaks = np.flatnonzero(np.diff(sel) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(sel)]])
+    pieces = [t.narrow(d, int(sel[a]), int(b - a)) for a, b in zip(starts, ends)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
 
 
 # ---------------------------------------------------------------- helpers
