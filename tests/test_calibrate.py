@@ -244,3 +244,32 @@ def test_bad_mesh_shape_is_a_one_line_error() -> None:
         "error: --mesh-shape 3x1 does not cover the 1 ranks launched; "
         "accepted: sizes joined by 'x' whose product is 1"
     )
+
+
+def test_short_calls_are_timed_in_batches_that_span_the_window(gloo_one) -> None:
+    import time
+
+    from torchtitan_autoparallel.calibrate.measure import time_us
+
+    calls = []
+
+    def one_ms() -> None:
+        calls.append(1)
+        time.sleep(0.001)
+
+    us = time_us(one_ms, 3, torch.device("cpu"), window_s=0.02)
+    assert 900.0 < us < 3000.0  # per call, not per batch
+    assert len(calls) >= 3 * 15  # each of the 3 samples spans ~20 calls
+    calls.clear()
+    time_us(one_ms, 3, torch.device("cpu"))  # no window: single calls, after one warm-up
+    assert len(calls) == 4
+
+
+def test_a_collective_after_compute_is_charged_without_the_burst(gloo_one) -> None:
+    import time
+
+    from torchtitan_autoparallel.calibrate.measure import time_after_compute_us
+
+    # One rank waits for no one: the sample is the call alone, the 5 ms burst before it untimed.
+    us = time_after_compute_us(lambda: time.sleep(0.002), lambda: time.sleep(0.005), 5, torch.device("cpu"))
+    assert 1800.0 < us < 4500.0

@@ -109,7 +109,7 @@ def calibrate(args: argparse.Namespace, runtime) -> None:
     total = settings.steps + measure.comm_steps(shape, settings, pairs) + step_settings.steps
     progress = measure.Progress(total, show)
     compute = measure.measure_compute(settings, runtime.device, progress)
-    host = measure_step.measure_host(step_settings, runtime.device, settings.repeats, progress)
+    host = measure_step.measure_host(step_settings, runtime.device, settings.repeats, progress, settings.window_s)
     names = tuple(f"dim{i}" for i in range(len(shape)))
     mesh = init_device_mesh(runtime.device_type, shape, mesh_dim_names=names)
     optimizer = measure_step.measure_optimizer(step_settings, mesh, runtime.device, settings.repeats, progress)

@@ -5,11 +5,15 @@ that share a machine compete for it), and each timing is the slowest rank's,
 since a step waits for its slowest rank.
 
 Where ranks share CPU cores (``Settings.context_matmul``), a collective is
-timed as training meets it: right after a burst of compute (untimed).
+timed as training meets it: right after a burst of compute, with the ranks
+kept in step only by the collectives themselves (``time_after_compute_us``).
 Back-to-back collectives on idle cores wake each other's threads at once;
-after compute, a rank's communication thread waits for a core, and that wait
-(milliseconds per call on an oversubscribed machine) is part of every
-collective of a real step.
+after compute, a rank's communication thread waits for a core, and every
+rank waits for the last one to finish its burst. On an oversubscribed machine
+that wait is milliseconds per call (the OS runs four ranks on two cores in
+turns, so equal bursts end at different times), and a real step pays it at
+every collective: its compute is priced at the ranks' typical speed, not at
+the slowest of them on each stretch between two collectives.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class Settings:
     # n of the n x n matmuls run before each timed collective (0: time collectives alone).
     context_matmul: int = 0
     context_calls: int = 10
+    context_repeats: int = 20  # rounds of (burst, collective): the wait for the last rank is noisy
+    # Shortest timed sample, in seconds, of compute and host timings (0: single calls); see time_us.
+    window_s: float = 0.0
 
     @property
     def steps(self) -> int:
@@ -54,7 +61,8 @@ def default_settings(device_type: str) -> Settings:
     if device_type == "cuda":
         return Settings((1024, 4096, 8192), (1 * MIB, 64 * MIB, 512 * MIB), (64 * KIB, 4 * MIB, 64 * MIB, 256 * MIB), 10)
     # GPU collectives progress on the device, not on host cores: no compute context needed there.
-    return Settings((64, 256, 512), (4 * KIB, 1 * MIB, 16 * MIB), (16 * KIB, 256 * KIB, 4 * MIB), 5, context_matmul=256)
+    return Settings((64, 256, 512), (4 * KIB, 1 * MIB, 16 * MIB), (16 * KIB, 256 * KIB, 4 * MIB), 5, context_matmul=256,
+                    window_s=0.03)
 
 
 class Progress:
@@ -77,35 +85,76 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_us(
-    fn: Callable[[], object], repeats: int, device: torch.device, before: Callable[[], object] | None = None
-) -> float:
+def time_us(fn: Callable[[], object], repeats: int, device: torch.device, window_s: float = 0.0) -> float:
     """Median time of one call on the slowest rank, after a warm-up call.
 
     The median of single calls, not the mean: on a shared machine a few calls
     are slowed by others' work, and one outlier would skew every fit. With
-    ``before`` (untimed, run before each call), the time is the fastest
-    rank's: each rank's clock starts when its own ``before`` ends, so the
-    ranks that finish it early also time their wait for the last one, and
-    the last one times the call alone. That wait is skew between ranks,
-    already paid in the slowest rank's compute time.
+    ``window_s``, each timed sample is a batch of calls lasting at least that
+    long (divided by its size): where ranks outnumber cores the OS runs them
+    in turns of a few ms, and a call shorter than a turn is timed either at a
+    whole core's speed or stalled, while a step pays the shared rate. The
+    batch size is the ranks' largest, so calls that communicate stay matched.
     """
-    if before is not None:
-        before()
+    fn()
+    _sync(device)
+    batch = _batch_size(fn, window_s, device) if window_s > 0 else 1
+    dist.barrier()
+    return _slowest(statistics.median(_call_times(fn, repeats, device, batch)), device)
+
+
+def _batch_size(fn: Callable[[], object], window_s: float, device: torch.device) -> int:
+    one = statistics.median(_call_times(fn, 3, device))
+    mine = torch.tensor([math.ceil(window_s / max(one, 1e-7))], dtype=torch.float64, device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return int(min(mine.item(), 10_000))
+
+
+def time_after_compute_us(
+    fn: Callable[[], object], burst: Callable[[], object], repeats: int, device: torch.device
+) -> float:
+    """What a collective adds to a step: its time after a burst of compute, the wait for the last rank included.
+
+    Each rank runs ``repeats`` rounds of (burst, untimed; collective, timed)
+    with no barrier between them, as a step runs its stretches of compute
+    between collectives. A round ends for every rank when the last rank's
+    burst and the collective are done, so rank r times ``max(bursts) -
+    burst_r + collective``. The compute term prices a burst at its typical
+    length, so the step pays the round's mean over ranks of those times on
+    top: the median over rounds of that mean is the sample. (The fastest
+    rank's time, the collective alone, leaves out the wait, and steps of 35
+    collectives measured ~50% above their prediction with it.)
+    """
+    burst()
     fn()
     _sync(device)
     dist.barrier()
     times = []
     for _ in range(repeats):
-        if before is not None:
-            before()
-            _sync(device)
-        start = time.perf_counter()
-        fn()
+        burst()
         _sync(device)
-        times.append(time.perf_counter() - start)
-    mine = torch.tensor([statistics.median(times) * 1e6], dtype=torch.float64, device=device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX if before is None else dist.ReduceOp.MIN)
+        times.extend(_call_times(fn, 1, device))
+    per_round = torch.tensor(times, dtype=torch.float64, device=device) * 1e6
+    dist.all_reduce(per_round)  # summed over ranks, round by round
+    return float(per_round.median().item()) / dist.get_world_size()
+
+
+def _call_times(fn: Callable[[], object], repeats: int, device: torch.device, batch: int = 1) -> list[float]:
+    """Seconds per call of ``repeats`` samples, each ``batch`` calls timed together."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) / batch)
+    return times
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    """The largest of the ranks' ``seconds``, in microseconds: a step waits for its slowest rank."""
+    mine = torch.tensor([seconds * 1e6], dtype=torch.float64, device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return float(mine.item())
 
 
@@ -115,13 +164,13 @@ def measure_compute(settings: Settings, device: torch.device, progress: Progress
         for n in settings.matmul_sizes:
             a = torch.randn(n, n, device=device).to(_DTYPES[name])
             b = torch.randn(n, n, device=device).to(_DTYPES[name])
-            us = time_us(lambda: torch.mm(a, b), settings.repeats, device)
+            us = time_us(lambda: torch.mm(a, b), settings.repeats, device, settings.window_s)
             samples.append(ComputeSample("matmul", name, 2.0 * n**3, 3.0 * n * n * a.element_size(), us))
             progress.step(f"matmul {name} {n}x{n}", us)
     for nbytes in settings.copy_bytes:
         src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
         dst = torch.empty_like(src)
-        us = time_us(lambda: dst.copy_(src), settings.repeats, device)
+        us = time_us(lambda: dst.copy_(src), settings.repeats, device, settings.window_s)
         samples.append(ComputeSample("copy", "float32", 0.0, 2.0 * src.numel() * 4, us))
         progress.step(f"copy {nbytes / MIB:.3g} MiB", us)
     return samples
@@ -156,7 +205,10 @@ def measure_comm(
         for kind in settings.collectives:
             for nbytes in settings.message_bytes:
                 fn, charged = _collective(kind, nbytes, int(n), group, device)
-                us = time_us(fn, settings.repeats, device, before=context)
+                if context is None:
+                    us = time_us(fn, settings.repeats, device)
+                else:
+                    us = time_after_compute_us(fn, context, settings.context_repeats, device)
                 samples.append(CommSample(kind, dim, int(n), charged, us))
                 progress.step(f"{kind} over {n} ranks{' after compute' if context else ''}, {charged / MIB:.3g} MiB", us)
     return samples

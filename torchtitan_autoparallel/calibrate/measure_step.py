@@ -87,7 +87,10 @@ def graph_nodes(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
 
-def measure_host(settings: StepSettings, device: torch.device, repeats: int, progress) -> list[HostSample]:
+def measure_host(
+    settings: StepSettings, device: torch.device, repeats: int, progress, window_s: float = 0.0
+) -> list[HostSample]:
+    """Graphs of small ops, and of activation-sized ones kept alive; ``window_s`` as ``measure.time_us``'s."""
     from torchtitan_autoparallel.calibrate.measure import time_us
 
     x = torch.randn(_SIDE, _SIDE, device=device)
@@ -96,23 +99,25 @@ def measure_host(settings: StepSettings, device: torch.device, repeats: int, pro
         gm = host_graph(size)
         nodes = graph_nodes(gm)
         with torch.no_grad():
-            us = time_us(lambda: gm(x), repeats, device)
+            us = time_us(lambda: gm(x), repeats, device, window_s)
         samples.append(HostSample(nodes, us, fresh_bytes=2.0 * nodes / 6 * x.numel() * 4.0))  # add, mul per round
         progress.step(f"FX graph of {nodes} small ops ({us / nodes:.1f} us/node)", us)
     for nodes, elements in settings.alloc_graphs:
-        samples.append(_time_alloc_graph(nodes, elements, device, repeats))
+        samples.append(_time_alloc_graph(nodes, elements, device, repeats, window_s))
         progress.step(f"FX graph of {nodes} ops on {elements * 4 // 1024} KiB outputs, kept alive "
                       f"({samples[-1].us / nodes:.1f} us/node)", samples[-1].us)
     return samples
 
 
-def _time_alloc_graph(nodes: int, elements: int, device: torch.device, repeats: int) -> HostSample:
+def _time_alloc_graph(
+    nodes: int, elements: int, device: torch.device, repeats: int, window_s: float
+) -> HostSample:
     from torchtitan_autoparallel.calibrate.measure import time_us
 
     gm, x = alloc_graph(nodes), torch.randn(elements, device=device)
     with torch.no_grad():
         # Returned outputs are dropped inside the timed call: their release is part of a step too.
-        us = time_us(lambda: gm(x), repeats, device)
+        us = time_us(lambda: gm(x), repeats, device, window_s)
     fresh = nodes * elements * 4.0
     return HostSample(nodes, us, fresh_bytes=fresh, moved_bytes=2.0 * fresh)
 
