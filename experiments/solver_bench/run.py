@@ -6,7 +6,8 @@ then runs in its own process on that saved problem, once with the default
 (tightest) memory budget and once with a loose one (``LOOSE`` times it), under
 a per-solver time limit. Each solver's time covers its whole ``solve`` call
 (presolve included), not loading the file. Results go to ``results.json`` and
-``README.md`` beside this file.
+``README.md`` beside this file (the notes below the table, from ``NOTES_MARK``
+on, are kept when the table is rewritten).
 
     .venv/bin/python experiments/solver_bench/run.py                 # every case
     .venv/bin/python experiments/solver_bench/run.py --only debug    # names containing "debug"
@@ -33,6 +34,7 @@ SOLVERS = ("ilp-highs", "ilp-cbc", "lp", "approx")
 GRACE_S = 600  # beyond the time limit before a solver's process is killed
 D2 = ("dp_shard", "tp")
 D3 = ("dp_replicate", "dp_shard", "tp")
+NOTES_MARK = "<!-- notes: kept when the table is rewritten -->"
 
 
 @dataclass(frozen=True)
@@ -136,8 +138,8 @@ print("RESULT " + json.dumps(out))
 
 def _child(script: str, spec: dict, timeout: float) -> dict:
     start = time.perf_counter()
-    # Its own session, so a timeout also kills what it started (CBC runs as a separate binary
-    # and, on the largest problems, overruns its own time limit).
+    # Its own session, so a timeout also kills what it started (CBC runs as a separate binary;
+    # the solver now stops it past its limit, this is the safety net).
     proc = subprocess.Popen(
         [sys.executable, "-c", script, json.dumps(spec)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -250,7 +252,14 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "`.venv/bin/python experiments/solver_bench/run.py`.",
         "",
     ]
-    path.write_text("\n".join(text + rows) + "\n")
+    path.write_text("\n".join(text + rows) + "\n" + _notes(path))
+
+
+def _notes(path: Path) -> str:
+    """The hand-written findings below the table (from ``NOTES_MARK`` on), kept across rewrites."""
+    old = path.read_text() if path.exists() else ""
+    at = old.find(NOTES_MARK)
+    return "\n" + old[at:] if at >= 0 else ""
 
 
 def _cases(only: str) -> list[tuple[Model, Mesh, str]]:
