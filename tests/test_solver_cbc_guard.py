@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from test_solvers import uniform_problem
 
 from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.solvers import CbcILPSolver
@@ -24,14 +25,7 @@ def dense_problem(seed: int = 0, n: int = 200, k: int = 8, degree: int = 3) -> P
     rng = np.random.default_rng(seed)
     edges = np.array([(int(rng.integers(0, v)), v) for v in range(1, n) for _ in range(degree)])
     memory = [rng.uniform(1e8, 4e9, size=k) for _ in range(n)]
-    problem = Problem(
-        node_names=[f"op{i}" for i in range(n)],
-        strategy_labels=[[str(j) for j in range(k)]] * n,
-        unary=[rng.uniform(0, 100, size=k) for _ in range(n)],
-        edges=edges,
-        pairwise=[rng.uniform(0, 50, size=(k, k)) for _ in edges],
-        memory=memory,
-    )
+    problem = uniform_problem(rng, n, k, edges, memory)
     # binding, yet loose enough for the greedy warm start to fit
     problem.memory_budget = float(sum(np.median(m) for m in memory))
     return problem

@@ -158,18 +158,25 @@ def test_zero_and_self_loop_edges() -> None:
     assert_agree(problem)
 
 
-@pytest.mark.parametrize("solver", EXACT, ids=lambda s: s.name)
-def test_time_limit_returns_an_incumbent(solver) -> None:
-    rng = np.random.default_rng(9)
-    n, k = 300, 8
-    edges = np.array([(v - 1 - int(rng.integers(0, min(v, 4))), v) for v in range(1, n)])
-    problem = Problem(
+def uniform_problem(rng: np.random.Generator, n: int, k: int, edges: np.ndarray,
+                    memory: list[np.ndarray] | None = None) -> Problem:
+    """``n`` nodes of ``k`` strategies on ``edges``, unary and pairwise costs uniform at random."""
+    return Problem(
         node_names=[f"op{i}" for i in range(n)],
         strategy_labels=[[str(j) for j in range(k)]] * n,
         unary=[rng.uniform(0, 100, size=k) for _ in range(n)],
         edges=edges,
         pairwise=[rng.uniform(0, 50, size=(k, k)) for _ in edges],
+        memory=memory or [],
     )
+
+
+@pytest.mark.parametrize("solver", EXACT, ids=lambda s: s.name)
+def test_time_limit_returns_an_incumbent(solver) -> None:
+    rng = np.random.default_rng(9)
+    n, k = 300, 8
+    edges = np.array([(v - 1 - int(rng.integers(0, min(v, 4))), v) for v in range(1, n)])
+    problem = uniform_problem(rng, n, k, edges)
     result = solver.solve(problem, time_limit=0.2)
     assert result.status in ("time_limit", "optimal")
     assert result.objective == problem.energy(result.assignment)
