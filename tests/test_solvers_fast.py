@@ -222,7 +222,7 @@ def test_approx_reports_time_limit_when_cut_short() -> None:
 
 def test_ilp_without_incumbent_falls_back_to_approx(monkeypatch, caplog) -> None:
     problem = chain_problem(60, 5)
-    monkeypatch.setattr(HighsILPSolver, "_run", lambda self, model, limit: _Run("no_solution"))
+    monkeypatch.setattr(HighsILPSolver, "_run", lambda self, model, limit, problem=None: _Run("no_solution"))
     with caplog.at_level(logging.WARNING, logger="torchtitan_autoparallel.planner"):
         sol = HighsILPSolver().solve(problem, time_limit=1.0)
     assert "taking the approximate solver's" in caplog.text

@@ -116,8 +116,9 @@ from torchtitan_autoparallel.planner.solvers.presolve import problem_size
 c = json.loads(sys.argv[1])
 problem = Problem.load(c["path"])
 problem.memory_budget *= c["scale"]
-name, _, backend = c["solver"].partition("-")
-solver = get_solver(name, backend or "highs")
+spec, check = c["solver"].removesuffix("+check"), c["solver"].endswith("+check")
+name, _, backend = spec.partition("-")
+solver = get_solver(name, backend or "highs", optimality_check=check)
 start = time.perf_counter()
 try:
     sol = solver.solve(problem, c["time_limit"])
@@ -173,7 +174,7 @@ def run_case(path: Path, budget: str, solvers: tuple[str, ...], time_limit: floa
     for i, name in enumerate(solvers):
         spec = {"path": str(path), "scale": scale, "solver": name, "time_limit": time_limit,
                 "sizes": i == 0}
-        results[name] = _child(_SOLVE, spec, time_limit + GRACE_S)
+        results[name] = {**_child(_SOLVE, spec, time_limit + GRACE_S), "time_limit_s": time_limit}
         shown = ("seconds", "objective", "lower_bound", "status", "error")
         print(f"  {name}: " + json.dumps({k: results[name].get(k) for k in shown}), flush=True)
     return results
@@ -204,13 +205,15 @@ def command_for(name: str) -> str:
     return f".venv/bin/python experiments/solver_bench/run.py --only '{name}'"
 
 
-def _cell(r: dict | None) -> str:
+def _cell(r: dict | None, row_limit: float | None) -> str:
     if r is None:
         return "-"
     if "error" in r:
         return "failed: " + r["error"][:60].replace("|", "/")
     flag = "" if r["status"] == "optimal" else f" ({r['status']})"
-    return f"{r['seconds']:.2f} s, {100 * r['gap_to_best_bound']:.3f}%{flag}"
+    own = r.get("time_limit_s", row_limit)  # a solver rerun with a limit of its own says so
+    limit = f" [limit {own:g} s]" if own != row_limit else ""
+    return f"{r['seconds']:.2f} s, {100 * r['gap_to_best_bound']:.3f}%{flag}{limit}"
 
 
 def _speedup(r: dict) -> str:
@@ -232,7 +235,7 @@ def write_markdown(results: list[dict], path: Path) -> None:
             continue
         red = r.get("problem", {}).get("reduced", {})
         size = f"{red.get('nodes', '?')} / {red.get('variables', '?')}"
-        cells = " | ".join(_cell(r["solvers"].get(s)) for s in SOLVERS)
+        cells = " | ".join(_cell(r["solvers"].get(s), r.get("time_limit_s")) for s in SOLVERS)
         rows.append(
             f"| {r['case']} | {r.get('time_limit_s', '?')} | {size} | {cells} | {_speedup(r)} "
             f"| {'yes' if r['lp_certified'] else 'no'} |"
@@ -272,7 +275,11 @@ def _cases(only: str) -> list[tuple[Model, Mesh, str]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="run the cases whose name contains this text")
-    parser.add_argument("--solvers", default=",".join(SOLVERS), help="comma-separated subset of " + ", ".join(SOLVERS))
+    parser.add_argument(
+        "--solvers", default=",".join(SOLVERS),
+        help="comma-separated subset of " + ", ".join(SOLVERS) + "; a name ending in '+check' "
+        "runs that solver with optimality_check (kept in results.json, not in the table)",
+    )
     parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per solver and case")
     parser.add_argument("--problems", default="/tmp/solver_bench_problems", help="where built problems are kept")
     parser.add_argument("--report-only", action="store_true", help="rewrite README.md from results.json")
@@ -299,7 +306,10 @@ def main() -> int:
         raw = run_case(path, budget, solvers, args.time_limit)
         result = {"case": name, "budget": budget, "build": built, **summarise(raw, previous.get(name))}
         result["command"] = command_for(name)
-        result["time_limit_s"] = args.time_limit
+        # the row's limit: the one every solver ran under, unless only some were rerun
+        result["time_limit_s"] = previous.get(name, {}).get("time_limit_s", args.time_limit)
+        if set(solvers) == set(SOLVERS):
+            result["time_limit_s"] = args.time_limit
         result["load_average"] = os.getloadavg()[0]  # other work on the machine skews times
         previous[name] = result
         ordered = [previous[case_name(*c)] for c in _cases("") if case_name(*c) in previous]

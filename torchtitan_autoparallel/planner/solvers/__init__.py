@@ -43,8 +43,7 @@ def _presolved(solver: Solver, presolve: bool, check: bool) -> Solver:
 
 
 def _approx(presolve: bool) -> ApproxSolver:
-    # None: the approximate solver decides how much exact presolve pays off
-    return ApproxSolver(full_presolve=None if presolve else False)
+    return ApproxSolver(full_presolve=presolve)
 
 
 def _checked(solver: Solver, presolve: bool, check: bool) -> Solver:

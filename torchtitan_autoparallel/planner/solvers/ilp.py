@@ -25,6 +25,12 @@ import numpy as np
 
 from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solvers.fixing import (
+    Relaxation,
+    best_known_plan,
+    fixed_columns,
+    log_fixing,
+)
 from torchtitan_autoparallel.planner.solvers.ilp_model import (
     IlpModel,
     build_ilp,
@@ -35,7 +41,9 @@ LOG = logging.getLogger("torchtitan_autoparallel.planner")
 PROGRESS_EVERY_S = 5.0
 MIP_REL_GAP = 1e-9  # small enough that "optimal" really means optimal
 OBJECTIVE_RTOL = 1e-6
+OPTIMAL_RTOL = 1e-9  # plan within this of its bound: optimal (as ``trws.OPTIMAL_RTOL``)
 INTEGRALITY_TOL = 1e-6  # HiGHS' own default mip_feasibility_tolerance
+LP_SHARE = 0.7  # of the limit, for the LP relaxation before the MIP
 FALLBACK_SHARE = 0.1  # of the time limit, granted on top to the approximate fallback
 CBC_OVERRUN_S = 1.0  # CBC past its limit for this long is stopped (SIGINT: it writes its plan)
 CBC_STOP_WAIT_S = 2.0  # then this long to write it before the whole process group is killed
@@ -58,7 +66,11 @@ class _IlpSolver:
 
     name: str
 
-    def _run(self, model: IlpModel, time_limit: float | None) -> _Run:
+    def _run(
+        self, model: IlpModel, time_limit: float | None, problem: Problem | None = None
+    ) -> _Run:
+        """Solve ``model``; ``problem``, the one it was built from, lets a backend
+        improve its warm start."""
         raise NotImplementedError
 
     def solve(self, problem: Problem, time_limit: float | None = None) -> Solution:
@@ -71,7 +83,7 @@ class _IlpSolver:
             self.name, problem.num_nodes, len(problem.edges), model.describe(),
             time.perf_counter() - start,
         )
-        run = self._run(model, _remaining(start, time_limit))
+        run = self._run(model, _remaining(start, time_limit), problem)
         if run.status == "infeasible":
             raise InfeasibleProblem(self._why_infeasible(problem, model, start, time_limit))
         if run.status == "no_solution":
@@ -81,16 +93,16 @@ class _IlpSolver:
         _check_objective(self.name, objective, run.objective + model.offset)
         if not problem.is_feasible(assignment):
             raise RuntimeError(f"{self.name}: the solver's plan violates the problem's constraints")
-        if run.status == "optimal":
-            lower = objective
-        else:
-            lower = min(objective, run.bound + model.offset)
+        status = run.status
+        lower = objective if status == "optimal" else min(objective, run.bound + model.offset)
+        if objective - lower <= OPTIMAL_RTOL * max(abs(objective), 1.0):
+            status = "optimal"  # e.g. the approximate solver's plan met its own bound
         seconds = time.perf_counter() - start
         LOG.info(
             "%s: %s, objective %.6g us, bound %.6g us, %.2f s",
-            self.name, run.status, objective, lower, seconds,
+            self.name, status, objective, lower, seconds,
         )
-        return Solution(assignment, objective, lower, self.name, run.status, seconds)
+        return Solution(assignment, objective, lower, self.name, status, seconds)
 
     def _approximate(self, problem: Problem, start: float, time_limit: float | None) -> Solution:
         """No plan in time: the approximate solver's plan (with its own bound) beats none."""
@@ -204,22 +216,100 @@ class HighsILPSolver(_IlpSolver):
         # finds little and can cost more than the solve itself
         self.highs_presolve = highs_presolve
 
-    def _run(self, model: IlpModel, time_limit: float | None) -> _Run:
+    def _run(
+        self, model: IlpModel, time_limit: float | None, problem: Problem | None = None
+    ) -> _Run:
+        """LP relaxation first (integral: done); else, given the ``problem`` the model
+        was built from, reduced-cost fixing against the best plan known (``fixing``),
+        then the MIP over the columns left."""
         start = time.perf_counter()
-        # at most half the time, so that a fractional or unfinished LP leaves the
-        # MIP (and its warm start) room to return an incumbent
-        relaxed = self._run_lp(model, None if time_limit is None else 0.5 * time_limit)
-        if relaxed is not None:
+        # most of the time: the MIP of a big model without the LP's duals gets no
+        # further than its own root LP, while after fixing it is small
+        relaxed = self._run_lp(model, None if time_limit is None else LP_SHARE * time_limit)
+        if isinstance(relaxed, _Run):
             return relaxed
-        return self._run_mip(model, _remaining(start, time_limit))
+        if relaxed is None and problem is not None:
+            # the MIP's root LP is this LP again: in the time left it gets no further
+            return self._without_lp(problem, model, _remaining(start, time_limit))
+        fixed = None
+        if relaxed is not None and problem is not None:
+            deadline = None if time_limit is None else start + time_limit
+            fixed = self._fix(problem, model, relaxed, deadline)
+        run = self._run_mip(model, _remaining(start, time_limit), fixed)
+        if fixed is not None and run.status in ("infeasible", "no_solution"):
+            # only numerical trouble can get here: the known plan is in the restricted model
+            LOG.warning("%s: the MIP after fixing found no plan; keeping the known one", self.name)
+            values = model.col_values(model.start)
+            return _Run("feasible", values, float(model.col_cost @ values), relaxed.value)
+        if relaxed is not None:
+            run.bound = max(run.bound, relaxed.value)
+        return run
 
-    def _run_lp(self, model: IlpModel, time_limit: float | None) -> _Run | None:
+    def certify(self, model: IlpModel, upper: float, time_limit: float | None) -> float:
+        """A lower bound on the model's optimum (model space) given a plan of cost
+        ``upper``: the LP value, raised by the MIP over the columns reduced-cost fixing
+        leaves (the plan is optimal if that MIP finds nothing cheaper); -inf when the LP
+        does not finish."""
+        start = time.perf_counter()
+        relaxed = self._run_lp(model, None if time_limit is None else LP_SHARE * time_limit)
+        if isinstance(relaxed, _Run):  # integral: the optimum; infeasible: no plan at all
+            return relaxed.objective if relaxed.status == "optimal" else upper
+        if relaxed is None:
+            return -math.inf
+        fixed = fixed_columns(model, relaxed, upper)
+        log_fixing(self.name, model, relaxed, upper, fixed)
+        run = self._run_mip(model, _remaining(start, time_limit), fixed)
+        if run.status == "infeasible":
+            return upper  # every plan cheaper than ``upper`` was in the model
+        # plans outside the restricted model cost more than ``upper``
+        proven = run.objective if run.status == "optimal" else run.bound
+        return max(relaxed.value, min(proven, upper))
+
+    def _without_lp(self, problem: Problem, model: IlpModel, time_limit: float | None) -> _Run:
+        """The LP did not finish: the approximate solver's plan and bound, or the warm start's."""
+        from torchtitan_autoparallel.planner.solvers.approx import ApproxSolver  # see _approximate
+
+        LOG.warning(
+            "%s: the LP relaxation did not finish; the approximate solver gets the time left",
+            self.name,
+        )
+        plans, bound = [model.start], -math.inf
+        try:
+            sol = ApproxSolver(exact_fallback=False).solve(problem, time_limit)
+            plans.append(sol.assignment)
+            bound = sol.lower_bound - model.offset
+        except SolverTimeout:
+            pass
+        feasible = [x for x in plans if x is not None and problem.is_feasible(x)]
+        if not feasible:
+            return _Run("no_solution")
+        values = min((model.col_values(x) for x in feasible), key=lambda v: float(model.col_cost @ v))
+        return _Run("time_limit", values, float(model.col_cost @ values), bound)
+
+    def _fix(
+        self, problem: Problem, model: IlpModel, lp: Relaxation, deadline: float | None
+    ) -> np.ndarray | None:
+        """Columns the LP rules out against the best plan known (which becomes the start)."""
+        plan = best_known_plan(problem, model, lp, deadline)
+        if plan is None:
+            return None
+        model.start = plan
+        upper = problem.energy(plan) - model.offset
+        fixed = fixed_columns(model, lp, upper)
+        log_fixing(self.name, model, lp, upper, fixed)
+        return fixed
+
+    def _run_lp(self, model: IlpModel, time_limit: float | None) -> _Run | Relaxation | None:
         """The LP relaxation alone: when its optimum is integral it is the ILP's
         optimum (its bound is met), found without the MIP machinery, whose own
-        presolve can cost several times the LP on big tight models."""
+        presolve can cost several times the LP on big tight models. A fractional
+        optimum comes back with its reduced costs; None if the LP did not finish."""
         import highspy
 
-        h = self._highs(model, time_limit, integer=False)
+        # HiGHS' presolve pays off on the LP when a memory row couples the nodes (as in
+        # ``lp.solve_lp``); the MIP keeps the solver's setting
+        presolve = self.highs_presolve or model.has_memory_row
+        h = self._highs(model, time_limit, integer=False, presolve=presolve)
         with _Heartbeat(self.name, lambda: " (LP relaxation)"):
             h.run()
         ms = h.getModelStatus()
@@ -227,18 +317,25 @@ class HighsILPSolver(_IlpSolver):
             return _Run("infeasible")  # no fractional plan, so no integral one
         if ms != highspy.HighsModelStatus.kOptimal:
             return None
-        values = np.asarray(h.getSolution().col_value, dtype=np.float64)
+        solution = h.getSolution()
+        values = np.asarray(solution.col_value, dtype=np.float64)
+        objective = h.getInfo().objective_function_value
         x = values[: model.num_x]
         if np.minimum(np.abs(x), np.abs(1.0 - x)).max(initial=0.0) > INTEGRALITY_TOL:
-            return None
-        objective = h.getInfo().objective_function_value
+            if not solution.dual_valid:
+                return None
+            return Relaxation(objective, values, np.asarray(solution.col_dual, dtype=np.float64))
         LOG.info("%s: the LP relaxation is integral, so optimal", self.name)
         return _Run("optimal", values, objective, objective)
 
-    def _run_mip(self, model: IlpModel, time_limit: float | None) -> _Run:
+    def _run_mip(
+        self, model: IlpModel, time_limit: float | None, fixed: np.ndarray | None = None
+    ) -> _Run:
         import highspy
 
-        h = self._highs(model, time_limit, integer=True)
+        # with columns fixed, HiGHS' presolve is what removes them
+        presolve = self.highs_presolve or fixed is not None
+        h = self._highs(model, time_limit, integer=True, presolve=presolve, fixed=fixed)
         if model.start is not None:
             values = model.col_values(model.start)
             h.setSolution(len(values), np.arange(len(values), dtype=np.int32), values)
@@ -248,7 +345,16 @@ class HighsILPSolver(_IlpSolver):
             h.run()
         return self._result(h, highspy)
 
-    def _highs(self, model: IlpModel, time_limit: float | None, integer: bool):  # noqa: ANN202
+    def _highs(  # noqa: ANN202 (a highspy.Highs)
+        self,
+        model: IlpModel,
+        time_limit: float | None,
+        integer: bool,
+        presolve: bool | None = None,
+        fixed: np.ndarray | None = None,
+    ):
+        """HiGHS loaded with ``model``; ``presolve`` None keeps the solver's setting,
+        ``fixed`` columns get an upper bound of 0."""
         import highspy
 
         if model.num_nz >= 2**31:
@@ -260,7 +366,7 @@ class HighsILPSolver(_IlpSolver):
             h.setOptionValue("time_limit", float(time_limit))
         if self.threads is not None:
             h.setOptionValue("threads", int(self.threads))
-        if not self.highs_presolve:
+        if not (self.highs_presolve if presolve is None else presolve):
             h.setOptionValue("presolve", "off")
         integrality = np.zeros(model.num_col, dtype=np.int32)
         if integer:
@@ -268,7 +374,8 @@ class HighsILPSolver(_IlpSolver):
         status = h.passModel(
             model.num_col, model.num_row, model.num_nz,
             int(highspy.MatrixFormat.kRowwise), int(highspy.ObjSense.kMinimize), 0.0,
-            model.col_cost, np.zeros(model.num_col), np.ones(model.num_col),
+            model.col_cost, np.zeros(model.num_col),
+            np.ones(model.num_col) if fixed is None else np.where(fixed, 0.0, 1.0),
             model.row_lower, model.row_upper,
             model.row_start[:-1].astype(np.int32), model.row_index.astype(np.int32),
             model.row_value, integrality,
@@ -305,7 +412,9 @@ class CbcILPSolver(_IlpSolver):
     def __init__(self, name: str = "ilp-cbc") -> None:
         self.name = name
 
-    def _run(self, model: IlpModel, time_limit: float | None) -> _Run:
+    def _run(
+        self, model: IlpModel, time_limit: float | None, problem: Problem | None = None
+    ) -> _Run:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="cbc-") as folder:
             paths = {k: os.path.join(folder, f"model.{k}") for k in ("mps", "mst", "sol", "log")}

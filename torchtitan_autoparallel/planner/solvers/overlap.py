@@ -97,8 +97,8 @@ class _GapHighs(HighsILPSolver):
     """HiGHS stopping at ``OVERLAP_MIP_GAP``: the budget chains make the tree deep, and the
     last fraction of a percent costs minutes; the proven bound is reported all the same."""
 
-    def _highs(self, model, time_limit, integer):  # noqa: ANN001, ANN202 (as the parent)
-        h = super()._highs(model, time_limit, integer)
+    def _highs(self, model, time_limit, integer, **options):  # noqa: ANN001, ANN202 (as the parent)
+        h = super()._highs(model, time_limit, integer, **options)
         h.setOptionValue("mip_rel_gap", OVERLAP_MIP_GAP)
         return h
 
