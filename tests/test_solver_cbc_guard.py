@@ -11,7 +11,7 @@ from test_solvers import uniform_problem
 
 from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.solvers import CbcILPSolver
-from torchtitan_autoparallel.planner.solvers.ilp import CBC_OVERRUN_S, CBC_STOP_WAIT_S
+from torchtitan_autoparallel.planner.solvers.cbc import CBC_OVERRUN_S, CBC_STOP_WAIT_S
 from torchtitan_autoparallel.planner.solvers.ilp_model import build_ilp
 
 LIMIT_S = 1.0

@@ -18,7 +18,8 @@ from torchtitan_autoparallel.planner.solvers.approx import ApproxSolver
 from torchtitan_autoparallel.planner.solvers.auto import AutoSolver
 from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
 from torchtitan_autoparallel.planner.solvers.brute_force import BruteForceSolver
-from torchtitan_autoparallel.planner.solvers.ilp import CbcILPSolver, HighsILPSolver, SolverTimeout
+from torchtitan_autoparallel.planner.solvers.cbc import CbcILPSolver
+from torchtitan_autoparallel.planner.solvers.ilp import HighsILPSolver, SolverTimeout
 from torchtitan_autoparallel.planner.solvers.lp import CertifyingSolver, LPSolver
 from torchtitan_autoparallel.planner.solvers.presolve import Presolved, PresolvingSolver, presolve
 

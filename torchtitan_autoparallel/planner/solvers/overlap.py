@@ -33,10 +33,10 @@ import numpy as np
 
 from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
+from torchtitan_autoparallel.planner.solvers.cbc import CbcILPSolver
 from torchtitan_autoparallel.planner.solvers.ilp import (
     INTEGRALITY_TOL,
     OBJECTIVE_RTOL,
-    CbcILPSolver,
     HighsILPSolver,
     _remaining,
     _Run,
