@@ -28,12 +28,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.solvers.base import Solution
 from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel
 from torchtitan_autoparallel.planner.solvers.rounding import marginals, round_and_polish
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 FIX_RTOL = 1e-7  # a column goes only if its bound beats U by this much (HiGHS' dual tolerance)
 APPROX_SHARE = 0.25  # of the time left after the LP, for the approximate solver's plan
+MIN_APPROX_S = 0.5  # a smaller share is not worth starting it
 
 
 @dataclass
@@ -62,24 +64,29 @@ def best_known_plan(
     polished plan and the approximate solver's (given a share of the time left)."""
     node_marginals = marginals(problem, model, lp.col_value[: model.num_x])
     candidates = [model.start, round_and_polish(problem, node_marginals, deadline)]
-    candidates.append(_approximate(problem, deadline))
-    feasible = [x for x in candidates if x is not None and problem.is_feasible(x)]
+    budget = None if deadline is None else APPROX_SHARE * max(deadline - time.perf_counter(), 0.0)
+    if budget is None or budget >= MIN_APPROX_S:
+        sol = approximate(problem, budget)
+        candidates.append(None if sol is None else sol.assignment)
+    return cheapest(problem, candidates)
+
+
+def cheapest(problem: Problem, plans: list[np.ndarray | None]) -> np.ndarray | None:
+    """The feasible plan of least energy among ``plans`` (None entries skipped)."""
+    feasible = [x for x in plans if x is not None and problem.is_feasible(x)]
     if not feasible:
         return None
-    energies = [problem.energy(x) for x in feasible]
-    return feasible[int(np.argmin(energies))]
+    return feasible[int(np.argmin([problem.energy(x) for x in feasible]))]
 
 
-def _approximate(problem: Problem, deadline: float | None) -> np.ndarray | None:
+def approximate(problem: Problem, time_limit: float | None) -> Solution | None:
+    """The approximate solver's result, without its exact fallback; None if it found no plan."""
     # imported here: the approximate solver imports the exact one for its own fallback
     from torchtitan_autoparallel.planner.solvers.approx import ApproxSolver
     from torchtitan_autoparallel.planner.solvers.ilp import SolverTimeout
 
-    budget = None if deadline is None else APPROX_SHARE * max(deadline - time.perf_counter(), 0.0)
-    if budget is not None and budget < 0.5:
-        return None
     try:
-        return ApproxSolver(exact_fallback=False).solve(problem, budget).assignment
+        return ApproxSolver(exact_fallback=False).solve(problem, time_limit)
     except SolverTimeout:
         return None
 

@@ -21,7 +21,9 @@ from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution
 from torchtitan_autoparallel.planner.solvers.fixing import (
     Relaxation,
+    approximate,
     best_known_plan,
+    cheapest,
     fixed_columns,
     log_fixing,
 )
@@ -259,23 +261,16 @@ class HighsILPSolver(_IlpSolver):
 
     def _without_lp(self, problem: Problem, model: IlpModel, time_limit: float | None) -> _Run:
         """The LP did not finish: the approximate solver's plan and bound, or the warm start's."""
-        from torchtitan_autoparallel.planner.solvers.approx import ApproxSolver  # see _approximate
-
         LOG.warning(
             "%s: the LP relaxation did not finish; the approximate solver gets the time left",
             self.name,
         )
-        plans, bound = [model.start], -math.inf
-        try:
-            sol = ApproxSolver(exact_fallback=False).solve(problem, time_limit)
-            plans.append(sol.assignment)
-            bound = sol.lower_bound - model.offset
-        except SolverTimeout:
-            pass
-        feasible = [x for x in plans if x is not None and problem.is_feasible(x)]
-        if not feasible:
+        sol = approximate(problem, time_limit)
+        plan = cheapest(problem, [model.start, None if sol is None else sol.assignment])
+        if plan is None:
             return _Run("no_solution")
-        values = min((model.col_values(x) for x in feasible), key=lambda v: float(model.col_cost @ v))
+        values = model.col_values(plan)
+        bound = -math.inf if sol is None else sol.lower_bound - model.offset
         return _Run("time_limit", values, float(model.col_cost @ values), bound)
 
     def _fix(
