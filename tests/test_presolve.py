@@ -308,6 +308,66 @@ def test_tied_chained_blocks_reduce_to_one_block() -> None:
     assert_presolve_agrees(problem)
 
 
+# --- the fast paths of the costly reductions ---------------------------------
+
+
+def _wide_problem(seed: int) -> Problem:
+    """Nodes with more strategies than ``DOMINANCE_PROBES`` columns, many of them
+    near-copies of another strategy, so that dominance has pairs to decide."""
+    rng = np.random.default_rng(seed)
+    k = np.array([24, 20, 30, 18])
+    edges = [(0, 1), (0, 2), (1, 2), (2, 3), (0, 3)]
+    problem = make_problem(rng, edges, k, inf_fraction=0.05, memory=np.array([1, 0, 1, 0], bool))
+    for v in range(len(k)):
+        twins = rng.choice(k[v], size=k[v] // 2, replace=False)
+        for s, t in zip(twins[::2], twins[1::2]):  # s copies t, a little worse or better
+            problem.unary[v][s] = problem.unary[v][t] + rng.uniform(-3.0, 3.0)
+            if problem.memory[v] is not None:
+                problem.memory[v][s] = problem.memory[v][t] + rng.choice([-1.0, 0.0, 1.0])
+            for e, (a, b) in enumerate(problem.edges.tolist()):
+                if v in (a, b):
+                    table = problem.pairwise[e] if a == v else problem.pairwise[e].T
+                    table[s] = table[t] + rng.uniform(-1.0, 2.0, size=table.shape[1])
+    return problem
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_probed_dominance_drops_exactly_what_the_full_check_drops(seed: int, monkeypatch) -> None:
+    from torchtitan_autoparallel.planner.solvers import reduce
+
+    problem = _wide_problem(seed)
+    graph = reduce.Graph(problem)
+    probed = [graph._dominated(v) for v in range(problem.num_nodes)]
+    monkeypatch.setattr(reduce, "DOMINANCE_PROBES", 10**6)  # every pair checked on every column
+    exact = [graph._dominated(v) for v in range(problem.num_nodes)]
+    for v in range(problem.num_nodes):
+        np.testing.assert_array_equal(probed[v], exact[v])
+    assert sum(int(d.sum()) for d in exact) > 0  # the check had something to find
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_presolve_of_wide_nodes_keeps_the_optimum(seed: int) -> None:
+    problem = _wide_problem(seed)
+    problem.memory_budget = binding_budget(problem)
+    assert_presolve_agrees(problem)
+
+
+@pytest.mark.parametrize("shape", [(3, 40, 5), (70, 30, 90), (64, 1, 64)])
+def test_min_plus_scan_equals_the_block_argmin(shape: tuple[int, int, int]) -> None:
+    from torchtitan_autoparallel.planner.solvers.reduce import _min_plus_scan
+
+    rng = np.random.default_rng(sum(shape))
+    ku, kv, kw = shape
+    left = np.round(rng.uniform(0, 5, size=(ku, kv)), 1)  # rounding makes ties
+    right = np.round(rng.uniform(0, 5, size=(kv, kw)), 1)
+    left[rng.random(left.shape) < 0.2] = np.inf
+    right[:, 0] = np.inf  # a column no middle strategy reaches
+    block = left[:, :, None] + right[None, :, :]
+    cost, best = _min_plus_scan(left, right)
+    np.testing.assert_array_equal(cost, block.min(axis=1))
+    np.testing.assert_array_equal(best, np.argmin(block, axis=1))
+
+
 # --- wiring ------------------------------------------------------------------
 
 

@@ -117,6 +117,29 @@ def test_trws_bound_is_valid_at_every_iteration(iterations: int) -> None:
         assert run.iterations <= iterations
 
 
+def _stall_point(bounds: list[float], energies: list[float], patience: int = 10) -> int | None:
+    from torchtitan_autoparallel.planner.solvers.trws import _stalled
+
+    history: list[tuple[float, float]] = []
+    for i, (b, e) in enumerate(zip(bounds, energies)):
+        if _stalled(history, b, e, patience):
+            return i
+    return None
+
+
+def test_trws_stops_once_the_plan_settled_and_the_bound_only_creeps() -> None:
+    sweeps = range(200)
+    settled = [100.0] * 200
+    creeping = [90.0 + 0.001 * i for i in sweeps]  # 0.01 per 10 sweeps against a gap of ~10
+    assert _stall_point(creeping, settled) == 10
+    closing = [90.0 + 0.05 * i for i in sweeps]  # 0.5 per 10 sweeps: 5% of the gap
+    assert _stall_point(closing, settled) is None
+    improving = [100.0 - 0.01 * i for i in sweeps]  # a better plan every sweep
+    assert _stall_point(creeping, improving) is None
+    flat = [95.0] * 200  # neither moves at all
+    assert _stall_point(flat, settled) == 10
+
+
 def test_approx_is_near_optimal_on_random_problems() -> None:
     gaps = []
     for seed in range(40):

@@ -131,7 +131,9 @@ out = {"seconds": seconds, "objective": sol.objective, "lower_bound": sol.lower_
        "memory_fraction": problem.memory_used(sol.assignment) / problem.memory_budget}
 if c.get("sizes"):
     out["original"] = problem_size(problem)
-    out["reduced"] = problem_size(presolve(problem).reduced)
+    pre = presolve(problem)
+    out["reduced"] = problem_size(pre.reduced)
+    out["presolve_s"] = pre.seconds
     out["pairwise_entries"] = pairwise_entries(problem)
 print("RESULT " + json.dumps(out))
 """
@@ -191,7 +193,8 @@ def summarise(results: dict, previous: dict | None = None) -> dict:
     out: dict = {"solvers": results, "best_lower_bound": best_bound}
     sizes = next((r for r in results.values() if "original" in r), None)
     if sizes:
-        out["problem"] = {k: sizes.pop(k) for k in ("original", "reduced", "pairwise_entries")}
+        keys = ("original", "reduced", "pairwise_entries", "presolve_s")
+        out["problem"] = {k: sizes.pop(k) for k in keys if k in sizes}
     elif previous and "problem" in previous:
         out["problem"] = previous["problem"]
     if "ilp-highs" in ok and "approx" in ok:
@@ -228,16 +231,21 @@ def _speedup(r: dict) -> str:
 
 def write_markdown(results: list[dict], path: Path) -> None:
     head = "| case | limit s | reduced nodes / variables | " + " | ".join(SOLVERS)
-    rows = [head + " | approx speed-up | LP bound |", "|" + " --- |" * (len(SOLVERS) + 5)]
+    rows = [
+        head + " | approx speed-up | presolve s | LP bound |",
+        "|" + " --- |" * (len(SOLVERS) + 6),
+    ]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['case']} | | failed: {r['error'][:80]} |" + " |" * (len(SOLVERS) + 2))
+            rows.append(f"| {r['case']} | | failed: {r['error'][:80]} |" + " |" * (len(SOLVERS) + 3))
             continue
         red = r.get("problem", {}).get("reduced", {})
         size = f"{red.get('nodes', '?')} / {red.get('variables', '?')}"
         cells = " | ".join(_cell(r["solvers"].get(s), r.get("time_limit_s")) for s in SOLVERS)
+        shared = r.get("problem", {}).get("presolve_s")
         rows.append(
             f"| {r['case']} | {r.get('time_limit_s', '?')} | {size} | {cells} | {_speedup(r)} "
+            f"| {'-' if shared is None else f'{shared:.2f}'} "
             f"| {'yes' if r['lp_certified'] else 'no'} |"
         )
     text = [
@@ -250,6 +258,7 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "Each cell: solve time (presolve included) and the plan's gap to the best lower bound any",
         "solver proved for that case (the LP value, the ILP's bound or optimum, TRW-S's bound);",
         "a status other than optimal is shown in brackets. `approx speed-up`: HiGHS time / approx time.",
+        "`presolve s`: the exact presolve every solver runs first (timed alone, in another process).",
         "`LP bound`: the LP relaxation finished, so every plan in the row is certified against it.",
         "Reproduce a row with the command under `command` in `results.json`, or all with",
         "`.venv/bin/python experiments/solver_bench/run.py`.",

@@ -25,7 +25,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.solvers.reduce import DOMINANCE_MAX_WORK, MINPLUS_CHUNK
+from torchtitan_autoparallel.planner.solvers.reduce import (
+    DOMINANCE_MAX_WORK,
+    MINPLUS_CHUNK,
+    swap_difference,
+)
 
 
 @dataclass
@@ -66,16 +70,13 @@ def free_loss(node: NodeOverlap, domain: np.ndarray, fixed: dict[int, int]) -> n
 
 def worst_difference_with_loss(table: np.ndarray, losses: list[np.ndarray]) -> np.ndarray:
     """``min_j (table[s, j] - table[t, j] - sum_l max(0, l[s, j] - l[t, j]))`` per ``(s, t)``,
-    with ``inf`` entries handled as in ``reduce._worst_difference``."""
+    with ``inf`` entries handled as in ``reduce.swap_difference``."""
     k, width = table.shape
     losses = [_finite(x) for x in losses]
     out = np.empty((k, k))
     rows = max(1, MINPLUS_CHUNK // max(1, k * width * (1 + len(losses))))
     for i in range(0, k, rows):
-        a = table[i : i + rows, None, :]
-        with np.errstate(invalid="ignore"):
-            diff = a - table[None, :, :]
-        diff = np.where(np.isinf(a), np.inf, diff)
+        diff = swap_difference(table[i : i + rows, None, :], table[None, :, :], finite=False)
         for x in losses:
             diff -= np.maximum(x[i : i + rows, None, :] - x[None, :, :], 0.0)
         out[i : i + rows] = diff.min(axis=2)

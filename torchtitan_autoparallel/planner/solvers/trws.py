@@ -23,8 +23,8 @@ pairs from compounding) leaves it valid.
 Decoding follows the paper, in both sweeps: each node takes its best label
 given the labels already chosen before it in the sweep and the messages from
 the nodes still ahead. A run stops when its best labeling is proven within a
-relative ``gap`` of the optimum, when bound and energy both stall, or at the
-deadline.
+relative ``gap`` of the optimum, when the energy stalls and the bound stalls or
+closes the gap too slowly to matter, or at the deadline.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from torchtitan_autoparallel.planner.solvers.mrf import Mrf
 OPTIMAL_RTOL = 1e-9  # energy within this of the bound: proven optimal
 GAP_RTOL = 1e-3  # default stop: the plan is proven within 0.1% of the optimum
 STALL_RTOL = 1e-7  # bound and energy moving less than this over ``patience`` sweeps: stop
+STALL_GAP_SHARE = 0.02  # or the bound closing less than this share of the gap over them
 IMPROVE_EVERY = 5  # sweeps between local searches of a new best labeling
 
 
@@ -136,7 +137,7 @@ class Trws:
         patience: int = 10,
     ) -> TrwsResult:
         """Sweep until the best labeling is within ``gap`` (relative) of the bound,
-        both stall, or the deadline passes (one iteration at least). ``improve``
+        the energy and the bound stall (``_stalled``), or the deadline passes (one iteration at least). ``improve``
         (local search; its flag: the final, thorough call) refines a new best
         labeling every few sweeps and at the end."""
         best = _Best(self.mrf, unary, improve)
@@ -219,13 +220,20 @@ class _Best:
 def _stalled(
     history: list[tuple[float, float]], bound: float, energy: float, patience: int
 ) -> bool:
-    """Neither the bound nor the energy moved over the last ``patience`` sweeps."""
+    """Over the last ``patience`` sweeps the energy did not improve and the bound either
+    did not move or rose by under ``STALL_GAP_SHARE`` of the gap left, so that closing
+    the gap at that pace would take hundreds of sweeps more. Where the LP relaxation
+    is fractional TRW-S's bound creeps towards it for hundreds of sweeps after the
+    plan stopped changing (``experiments/solver_bench``)."""
     history.append((bound, energy))
     if len(history) <= patience:
         return False
     old_bound, old_energy = history[-1 - patience]
     scale = STALL_RTOL * max(abs(energy), abs(bound), 1.0)
-    return bound - old_bound <= scale and old_energy - energy <= scale
+    if old_energy - energy > scale:
+        return False
+    rise = bound - old_bound
+    return rise <= scale or rise < STALL_GAP_SHARE * (energy - bound)
 
 
 def _sends(links: list[_Link]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
