@@ -137,9 +137,9 @@ class Trws:
         patience: int = 10,
     ) -> TrwsResult:
         """Sweep until the best labeling is within ``gap`` (relative) of the bound,
-        the energy and the bound stall (``_stalled``), or the deadline passes (one iteration at least). ``improve``
-        (local search; its flag: the final, thorough call) refines a new best
-        labeling every few sweeps and at the end."""
+        the energy and the bound stall (``_stalled``), or the deadline passes (one
+        iteration at least). ``improve`` (local search; its flag: the final,
+        thorough call) refines a new best labeling every few sweeps and at the end."""
         best = _Best(self.mrf, unary, improve)
         bound, history = -math.inf, []
         it, timed_out = 0, False
