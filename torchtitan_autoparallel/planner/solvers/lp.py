@@ -82,12 +82,10 @@ def certified_bound(
     """A lower bound on the optimum, at least the LP's: ``HighsILPSolver.certify``
     against ``plan`` (reduced-cost fixing, then the MIP on what is left); -inf if the
     LP did not finish. With ``reduce`` it works on the exactly presolved problem."""
-    offset, upper = 0.0, problem.energy(plan)
-    if reduce:
-        pre = presolve(problem)
-        problem, offset = pre.reduced, pre.offset
-        if problem.num_nodes == 0:
-            return offset
+    upper = problem.energy(plan)
+    problem, offset = _bound_problem(problem, reduce)
+    if problem.num_nodes == 0:
+        return offset
     model = build_ilp(problem)
     return HighsILPSolver().certify(model, upper - offset - model.offset, time_limit) + (
         offset + model.offset
@@ -100,14 +98,19 @@ def lp_bound(problem: Problem, time_limit: float | None, reduce: bool = True) ->
     With ``reduce`` it runs on the exactly presolved problem, whose LP is far
     smaller and no weaker (the eliminations are exact min-marginalisations).
     """
-    offset = 0.0
-    if reduce:
-        pre = presolve(problem)
-        problem, offset = pre.reduced, pre.offset
-        if problem.num_nodes == 0:
-            return offset
+    problem, offset = _bound_problem(problem, reduce)
+    if problem.num_nodes == 0:
+        return offset
     result = solve_lp(problem, time_limit)
     return result.value + offset if result.status == "optimal" else -math.inf
+
+
+def _bound_problem(problem: Problem, reduce: bool) -> tuple[Problem, float]:
+    """The problem a bound is computed on, and the energy its reduction took out."""
+    if not reduce:
+        return problem, 0.0
+    pre = presolve(problem)
+    return pre.reduced, pre.offset
 
 
 class LPSolver:
