@@ -25,11 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.solvers.reduce import (
-    DOMINANCE_MAX_WORK,
-    MINPLUS_CHUNK,
-    swap_difference,
-)
+from torchtitan_autoparallel.planner.solvers.reduce import DOMINANCE_MAX_WORK, swap_difference
+
+CHUNK = 4_000_000  # elements of the (rows, k, width) difference block built at once
 
 
 @dataclass
@@ -74,7 +72,7 @@ def worst_difference_with_loss(table: np.ndarray, losses: list[np.ndarray]) -> n
     k, width = table.shape
     losses = [_finite(x) for x in losses]
     out = np.empty((k, k))
-    rows = max(1, MINPLUS_CHUNK // max(1, k * width * (1 + len(losses))))
+    rows = max(1, CHUNK // max(1, k * width * (1 + len(losses))))
     for i in range(0, k, rows):
         diff = swap_difference(table[i : i + rows, None, :], table[None, :, :], finite=False)
         for x in losses:

@@ -51,7 +51,7 @@ from torchtitan_autoparallel.planner.solvers.overlap_terms import (
     overlappable,
 )
 from torchtitan_autoparallel.planner.solvers.presolve import Presolved, presolve
-from torchtitan_autoparallel.planner.solvers.reduce import Graph
+from torchtitan_autoparallel.planner.solvers.reduce import Graph, beaten
 
 
 class OverlapGraph(Graph):
@@ -80,10 +80,13 @@ class OverlapGraph(Graph):
     def _energy_only_table(self, v: int, u: int) -> bool:
         return (min(u, v), max(u, v)) not in self._carrying
 
-    def _margin(self, v: int) -> np.ndarray | None:
+    def _dominated(self, v: int) -> np.ndarray:
         if self._energy_only(v):
-            return super()._margin(v)
-        return overlap_margin(self, v, self._nodes[v])
+            return super()._dominated(v)
+        margin = overlap_margin(self, v, self._nodes[v])
+        if margin is None:
+            return np.zeros(len(self.domain[v]), dtype=bool)
+        return beaten(margin, self.memory[v])
 
 
 @dataclass

@@ -27,14 +27,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.solvers import kernels
 from torchtitan_autoparallel.planner.solvers.ilp_model import memory_message
 
 BUDGET_RTOL = 1e-6  # the slack Problem.is_feasible grants the budget
 SEPARABLE_RTOL = 1e-12  # a table this close to a + b is folded (rounding only)
 DOMINANCE_MAX_WORK = 50_000_000  # k * k * neighbour strategies above which it is skipped
 DOMINANCE_PROBES = 16  # columns per table that rule out most pairs before the exact check
-MINPLUS_CHUNK = 4_000_000  # elements of the (k_u, k_v, k_w) min-plus block at once
-MINPLUS_SCAN_MIN = 4096  # k_u * k_w from which the min-plus scans the middle strategies
 
 
 @dataclass
@@ -180,51 +179,24 @@ class Graph:
 
         and it uses no less memory. It subsumes entry-wise dominance (every
         difference >= 0) and is exact: swapping ``s`` for ``t`` in any plan never
-        raises its energy or memory."""
-        k = len(self.domain[v])
-        margin = self._margin(v)
-        if margin is None:
-            return np.zeros(k, dtype=bool)
-        if self.memory[v] is not None:
-            m = self.memory[v]
-            margin[m[:, None] < m[None, :]] = -np.inf
-        # of two equivalent strategies keep the lower index, so one always survives
-        lower = np.tri(k, k, -1, dtype=bool)  # lower[s, t]: t < s
-        beaten = (margin > 0) | ((margin >= 0) & lower)
-        np.fill_diagonal(beaten, False)
-        return beaten.any(axis=1)
+        raises its energy or memory. Of two equivalent strategies the lower index
+        stays, so one always survives.
 
-    def _margin(self, v: int) -> np.ndarray | None:
-        """``margin[s, t]`` of ``_dominated`` wherever it may be >= 0, and some negative
-        figure where it cannot be (None: too costly to check).
-
-        A few columns of each table bound ``min_j`` from above, so most pairs are
-        ruled out at a fraction of the cost; only the pairs that survive (about a
-        tenth on the 3-D meshes) get the exact minimum over every column."""
+        A few columns of each table (``_probe_columns``) bound ``min_j`` from above,
+        so most pairs are ruled out at a fraction of the cost; only the pairs that
+        survive (about a tenth on the 3-D meshes) get the exact minimum."""
         tables = list(self.adj[v].values())
         k = len(self.domain[v])
         if k * k * sum(t.shape[1] for t in tables) > DOMINANCE_MAX_WORK:
-            return None
-        unary = self.unary[v]
-        margin = unary[:, None] - unary[None, :]  # margin[s, t]
-        if k <= DOMINANCE_PROBES:
-            for table in tables:
-                margin += _worst_difference(table)
-            return margin
-        for table in tables:
-            margin += _worst_difference(table[:, _probe_columns(table)])
-        candidate = margin >= 0
-        np.fill_diagonal(candidate, False)
-        if self.memory[v] is not None:  # more memory never dominates (``_dominated``)
-            m = self.memory[v]
-            candidate &= m[:, None] >= m[None, :]
-        s, t = np.nonzero(candidate)
-        if len(s):
-            exact = unary[s] - unary[t]
-            for table in tables:
-                exact += _pair_worst_difference(table, s, t)
-            margin[s, t] = exact
-        return margin
+            return np.zeros(k, dtype=bool)
+        probes = [t[:, _probe_columns(t)] for t in tables]
+        memory = self.memory[v]
+        return kernels.dominated(
+            self.unary[v],
+            *_side_by_side(tables),
+            *_side_by_side(probes),
+            np.zeros(0) if memory is None else memory,
+        )
 
     def _restrict(self, v: int, keep: np.ndarray) -> None:
         self.domain[v] = self.domain[v][keep]
@@ -324,8 +296,8 @@ class Graph:
         ku, kv, kw = len(self.domain[u]), len(self.domain[v]), len(self.domain[w])
         if w not in self.adj[u] and ku * kw > kv * (ku + kw):
             return False  # the u-w table would outgrow the two it replaces
-        left = self.adj[u][v] + self.unary[v][None, :]  # (k_u, k_v)
-        cost, best = _min_plus(left, self.adj[v][w])
+        left = np.ascontiguousarray(self.adj[u][v] + self.unary[v][None, :])  # (k_u, k_v)
+        cost, best = kernels.min_plus(left, np.ascontiguousarray(self.adj[v][w]))
         self._add_table(u, w, cost)
         self._remove(v, (u, w), self.domain[v][best])
         return True
@@ -352,62 +324,6 @@ class Graph:
             raise InfeasibleProblem(memory_message(self.budget, self.fixed_memory))
 
 
-def _min_plus(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``min_s left[i, s] + right[s, j]`` and its (first) argmin."""
-    ku, kv = left.shape
-    kw = right.shape[1]
-    if ku * kw >= MINPLUS_SCAN_MIN:
-        return _min_plus_scan(left, right)
-    cost = np.empty((ku, kw))
-    best = np.empty((ku, kw), dtype=np.int64)
-    rows = max(1, MINPLUS_CHUNK // max(1, kv * kw))
-    for i in range(0, ku, rows):
-        block = left[i : i + rows, :, None] + right[None, :, :]
-        best[i : i + rows] = np.argmin(block, axis=1)
-        cost[i : i + rows] = np.take_along_axis(block, best[i : i + rows, None, :], axis=1)[:, 0]
-    return cost, best
-
-
-def _min_plus_scan(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``_min_plus`` one middle strategy at a time: 2-D passes over the result run
-    2-3 times faster than an argmin across the middle of a 3-D block, and a strict
-    ``<`` keeps the first argmin as ``np.argmin`` does."""
-    cost = np.full((left.shape[0], right.shape[1]), np.inf)
-    best = np.zeros(cost.shape, dtype=np.int64)
-    candidate = np.empty_like(cost)
-    better = np.empty(cost.shape, dtype=bool)
-    for s in range(left.shape[1]):
-        np.add(left[:, s, None], right[s][None, :], out=candidate)
-        np.less(candidate, cost, out=better)
-        np.copyto(cost, candidate, where=better)
-        best[better] = s
-    return cost, best
-
-
-def _worst_difference(table: np.ndarray) -> np.ndarray:
-    """``min_j (table[s, j] - table[t, j])`` for every pair ``(s, t)``."""
-    k, width = table.shape
-    out = np.empty((k, k))
-    rows = max(1, MINPLUS_CHUNK // max(1, k * width))
-    finite = bool(np.isfinite(table).all())
-    for i in range(0, k, rows):
-        diff = swap_difference(table[i : i + rows, None, :], table[None, :, :], finite)
-        out[i : i + rows] = diff.min(axis=2)
-    return out
-
-
-def _pair_worst_difference(table: np.ndarray, s: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """``min_j (table[s[i], j] - table[t[i], j])`` for each listed pair ``i``."""
-    width = table.shape[1]
-    out = np.empty(len(s))
-    rows = max(1, MINPLUS_CHUNK // max(1, width))
-    finite = bool(np.isfinite(table).all())
-    for i in range(0, len(s), rows):
-        diff = swap_difference(table[s[i : i + rows]], table[t[i : i + rows]], finite)
-        out[i : i + rows] = diff.min(axis=1)
-    return out
-
-
 def swap_difference(a: np.ndarray, b: np.ndarray, finite: bool) -> np.ndarray:
     """``a - b`` for dominance. A forbidden ``a`` entry puts no constraint on swapping
     ``s`` away (such plans cost ``inf`` already), so it counts as ``+inf``; a
@@ -417,6 +333,25 @@ def swap_difference(a: np.ndarray, b: np.ndarray, finite: bool) -> np.ndarray:
     if not finite:
         diff = np.where(np.isinf(a), np.inf, diff)
     return diff
+
+
+def beaten(margin: np.ndarray, memory: np.ndarray | None) -> np.ndarray:
+    """Strategies ``s`` with some ``t`` at ``margin[s, t] > 0``, or ``>= 0`` when ``t < s``
+    (of two equivalent strategies the lower index stays), that uses no more memory."""
+    k = margin.shape[0]
+    if memory is not None:
+        margin = np.where(memory[:, None] < memory[None, :], -np.inf, margin)
+    lower = np.tri(k, k, -1, dtype=bool)  # lower[s, t]: t < s
+    out = (margin > 0) | ((margin >= 0) & lower)
+    np.fill_diagonal(out, False)
+    return out.any(axis=1)
+
+
+def _side_by_side(tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The tables (same rows) as one C-contiguous array, and where each one starts."""
+    widths = [t.shape[1] for t in tables]
+    starts = np.concatenate([[0], np.cumsum(widths)]).astype(np.int64)
+    return np.ascontiguousarray(np.hstack(tables) if tables else np.zeros((0, 0))), starts
 
 
 def _probe_columns(table: np.ndarray) -> np.ndarray:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from torchtitan_autoparallel.planner.solvers import kernels
 from torchtitan_autoparallel.planner.solvers.mrf import Mrf
 
 OPTIMAL_RTOL = 1e-9  # energy within this of the bound: proven optimal
@@ -54,31 +55,6 @@ class TrwsResult:
     timed_out: bool
 
 
-@dataclass
-class _Step:
-    """What one sweep does at one node (tables and message views precomputed)."""
-
-    node: int
-    incoming: np.ndarray | None  # (degree, k) positions of the messages into the node
-    gamma: float
-    end: float  # share of gamma * theta_hat held by chains ending here in this sweep
-    # (table (k, k_to), the message coming back, the message sent) per neighbour ahead
-    sends: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
-    # (neighbour, table (k_from, k), the message it sent) per neighbour already swept
-    behind: list[tuple[int, np.ndarray, np.ndarray]]
-
-
-@dataclass
-class _Link:
-    """One edge seen from one of its ends."""
-
-    other: int
-    table: np.ndarray  # (k_self, k_other)
-    transposed: np.ndarray  # (k_other, k_self), contiguous: the other end's ``table``
-    inbound: np.ndarray  # view of the message other -> self
-    outbound: np.ndarray  # view of the message self -> other
-
-
 class Trws:
     """Message buffers and per-node work lists; messages persist across ``run`` calls,
     so a run with a slightly changed unary (the Lagrangian loop) starts warm."""
@@ -86,46 +62,29 @@ class Trws:
     def __init__(self, mrf: Mrf) -> None:
         self.mrf = mrf
         n = mrf.num_nodes
-        earlier, later, incoming = self._links(mrf)
+        edges = mrf.edges.tolist()
+        self.starts = np.concatenate([[0], np.cumsum(mrf.k)]).astype(np.int64)
+        # the message to b of edge e, then the one to a, back to back
+        sizes = [int(mrf.k[node]) for a, b in edges for node in (b, a)]
+        msg_at = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        self.msg = np.zeros(msg_at[-1])
+        self.tables = mrf.flat
+        earlier: list[list[tuple]] = [[] for _ in range(n)]
+        later: list[list[tuple]] = [[] for _ in range(n)]
+        incoming: list[list[int]] = [[] for _ in range(n)]  # in edge order: the sum's order
+        for e, (a, b) in enumerate(edges):
+            incoming[b].append(msg_at[2 * e])
+            incoming[a].append(msg_at[2 * e + 1])
+            at = int(mrf.offset[e])  # table (a, b): rows a's strategies
+            # (neighbour, table, message in, message out, rows ours)
+            later[a].append((b, at, msg_at[2 * e + 1], msg_at[2 * e], 1))
+            earlier[b].append((a, at, msg_at[2 * e], msg_at[2 * e + 1], 0))
+        self.incoming = np.array([p for ps in incoming for p in ps], dtype=np.int64)
         n_fwd = np.array([len(ls) for ls in later])
         n_bwd = np.array([len(ls) for ls in earlier])
         chains = np.maximum(np.maximum(n_fwd, n_bwd), 1)
-        gamma = (1.0 / chains).tolist()
-        end_fwd = ((chains - n_fwd) / chains).tolist()
-        end_bwd = ((chains - n_bwd) / chains).tolist()
-        self.forward = [
-            _Step(v, incoming[v], gamma[v], end_fwd[v], _sends(later[v]), _behind(earlier[v]))
-            for v in range(n)
-        ]
-        self.backward = [
-            _Step(v, incoming[v], gamma[v], end_bwd[v], _sends(earlier[v]), _behind(later[v]))
-            for v in range(n - 1, -1, -1)
-        ]
-
-    def _links(self, mrf: Mrf) -> tuple[list[list[_Link]], list[list[_Link]], list]:
-        """Allocate the message buffer; per node its links to earlier and later
-        neighbours, and the buffer positions (degree, k) of its incoming messages."""
-        k = mrf.k
-        edges = mrf.edges.tolist()
-        sizes = [int(k[node]) for a, b in edges for node in (b, a)]
-        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
-        self.msg = np.zeros(starts[-1])
-        earlier: list[list[_Link]] = [[] for _ in range(mrf.num_nodes)]
-        later: list[list[_Link]] = [[] for _ in range(mrf.num_nodes)]
-        positions: list[list[int]] = [[] for _ in range(mrf.num_nodes)]
-        for e, (a, b) in enumerate(edges):
-            to_b = self.msg[starts[2 * e] : starts[2 * e + 1]]
-            to_a = self.msg[starts[2 * e + 1] : starts[2 * e + 2]]
-            table, flipped = mrf.tables[e], np.ascontiguousarray(mrf.tables[e].T)
-            later[a].append(_Link(b, table, flipped, to_a, to_b))
-            earlier[b].append(_Link(a, flipped, table, to_b, to_a))
-            positions[b].append(starts[2 * e])
-            positions[a].append(starts[2 * e + 1])
-        incoming = [
-            np.stack([np.arange(p, p + k[v]) for p in ps]) if ps else None
-            for v, ps in enumerate(positions)
-        ]
-        return earlier, later, incoming
+        self.forward = _sweep_plan(range(n), later, earlier, chains, n_fwd)
+        self.backward = _sweep_plan(range(n - 1, -1, -1), earlier, later, chains, n_bwd)
 
     def run(
         self,
@@ -141,11 +100,12 @@ class Trws:
         iteration at least). ``improve`` (local search; its flag: the final,
         thorough call) refines a new best labeling every few sweeps and at the end."""
         best = _Best(self.mrf, unary, improve)
+        flat = np.concatenate(unary) if unary else np.zeros(0)
         bound, history = -math.inf, []
         it, timed_out = 0, False
         while it < max_iters:
-            x_fwd, lb_fwd = self._sweep(self.forward, unary)
-            x_bwd, lb_bwd = self._sweep(self.backward, unary)
+            x_fwd, lb_fwd = self._sweep(self.forward, flat)
+            x_bwd, lb_bwd = self._sweep(self.backward, flat)
             it += 1
             best.offer(x_fwd)
             best.offer(x_bwd)
@@ -160,29 +120,45 @@ class Trws:
         best.improve(final=True)
         return TrwsResult(best.x, best.energy, min(bound, best.energy), it, timed_out)
 
-    def _sweep(self, steps: list[_Step], unary: list[np.ndarray]) -> tuple[np.ndarray, float]:
+    def _sweep(self, plan: _SweepPlan, unary: np.ndarray) -> tuple[np.ndarray, float]:
         """One sweep: update messages, decode a labeling, return it with the sweep's bound."""
-        msg = self.msg
-        add, least = np.add.reduce, np.minimum.reduce
-        x = np.zeros(len(unary), dtype=np.int64)
-        bound = 0.0
-        for step in steps:
-            th = unary[step.node]
-            if step.incoming is not None:
-                th = th + add(msg[step.incoming], axis=0)
-            bound += step.end * float(least(th))
-            score = th
-            for u, table, sent in step.behind:  # the neighbour's label replaces its message
-                score = score + (table[x[u]] - sent)
-            x[step.node] = int(np.argmin(score))
-            weighted = step.gamma * th
-            for table, back, out in step.sends:
-                m = least(table + (weighted - back)[:, None], axis=0)
-                d = float(least(m))
-                bound += d
-                np.subtract(m, d, out=out)
-        np.minimum(msg, self.mrf.big, out=msg)  # see the module doc
-        return x, bound
+        return kernels.trws_sweep(
+            unary, self.starts, self.msg, self.tables, plan.steps, plan.links,
+            self.incoming, plan.weights, self.mrf.big,
+        )
+
+
+@dataclass
+class _SweepPlan:
+    """One sweep's order and per-node work, as ``kernels.trws_sweep`` reads it."""
+
+    steps: np.ndarray  # (n, 5) int64
+    links: np.ndarray  # (2E, 6) int64
+    weights: np.ndarray  # (n, 2) gamma, share of the bound
+
+
+def _sweep_plan(
+    order: range,
+    ahead: list[list[tuple]],
+    behind: list[list[tuple]],
+    chains: np.ndarray,
+    n_ahead: np.ndarray,
+) -> _SweepPlan:
+    steps, links, weights = [], [], []
+    in_at = np.concatenate([[0], np.cumsum([len(a) + len(b) for a, b in zip(ahead, behind)])])
+    in_at = in_at.tolist()
+    for v in order:
+        first = len(links)
+        # behind first, as the decoding adds their rows in this order
+        links += [(0, *link) for link in behind[v]]
+        links += [(1, *link) for link in ahead[v]]
+        steps.append((v, in_at[v], in_at[v + 1], first, len(links)))
+        weights.append((1.0 / chains[v], (chains[v] - n_ahead[v]) / chains[v]))
+    return _SweepPlan(
+        np.array(steps, dtype=np.int64).reshape(-1, 5),
+        np.array(links, dtype=np.int64).reshape(-1, 6),
+        np.array(weights, dtype=np.float64).reshape(-1, 2),
+    )
 
 
 class _Best:
@@ -234,11 +210,3 @@ def _stalled(
         return False
     rise = bound - old_bound
     return rise <= scale or rise < STALL_GAP_SHARE * (energy - bound)
-
-
-def _sends(links: list[_Link]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    return [(link.table, link.inbound, link.outbound) for link in links]
-
-
-def _behind(links: list[_Link]) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    return [(link.other, link.transposed, link.inbound) for link in links]

@@ -1,0 +1,271 @@
+"""Compiled inner loops of the presolve and of TRW-S (numba, cached on disk).
+
+numpy spends these loops building temporaries far larger than the answer
+(a ``(k_u, k_v, k_w)`` block for a min-plus product, a ``(k, k, width)`` one
+for dominance), which on the 3-D meshes (hundreds of strategies per node)
+made the shared presolve slower than the approximate solver itself. Compiled,
+each loop keeps one row of its output in cache and skips work as soon as the
+answer is known (an ``inf`` left operand, a pair already ruled out).
+
+``cache=True`` writes the machine code next to this file (or to numba's user
+cache where that is read-only), so only the first run on a machine pays the
+compile (a few seconds, logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numba
+import numpy as np
+
+LOG = logging.getLogger("torchtitan_autoparallel.planner")
+_jit = numba.njit(cache=True, nogil=True)
+SCAN_BLOCK = 32  # columns between early-exit checks of the exact dominance scan
+
+
+@_jit
+def min_plus(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``min_s left[i, s] + right[s, j]`` and its first argmin (0 where all are ``inf``)."""
+    ku, kv = left.shape
+    kw = right.shape[1]
+    cost = np.full((ku, kw), np.inf)
+    best = np.zeros((ku, kw), dtype=np.int64)
+    for i in range(ku):
+        row, arg = cost[i], best[i]
+        for s in range(kv):
+            a = left[i, s]
+            if a == np.inf:
+                continue  # a + anything is inf: never strictly better
+            r = right[s]
+            for j in range(kw):
+                c = a + r[j]
+                if c < row[j]:
+                    row[j] = c
+                    arg[j] = s
+    return cost, best
+
+
+@_jit
+def _swap_min(a: np.ndarray, b: np.ndarray) -> float:
+    """``min_j (a[j] - b[j])`` with ``reduce.swap_difference``'s rule: a forbidden
+    ``a`` entry counts as ``+inf``, a forbidden ``b`` one against a finite ``a`` as
+    ``-inf``."""
+    out = np.inf
+    for j in range(a.shape[0]):
+        x = a[j]
+        d = np.inf if x == np.inf else x - b[j]
+        out = min(out, d)
+    return out
+
+
+@_jit
+def _passes(total: float, strict: bool) -> bool:
+    return total > 0 if strict else total >= 0
+
+
+@_jit
+def _probe_sums(
+    base: float, probes: np.ndarray, starts: np.ndarray, s: int, t: int, mins: np.ndarray
+) -> float:
+    """``base`` plus each table's difference minimum over its probe columns (kept in
+    ``mins``): an upper bound of the exact margin."""
+    total = base
+    for e in range(starts.shape[0] - 1):
+        lo, hi = starts[e], starts[e + 1]
+        mins[e] = _swap_min(probes[s, lo:hi], probes[t, lo:hi])
+        total += mins[e]
+    return total
+
+
+@_jit
+def _exact_passes(
+    base: float,
+    tables: np.ndarray,
+    starts: np.ndarray,
+    s: int,
+    t: int,
+    strict: bool,
+    probe_mins: np.ndarray,
+) -> bool:
+    """The exact margin's test, scanning each table in blocks: after every block
+    the exact sums so far, the block minimum so far and the later tables' probe
+    minima add up (in the exact sum's order) to an upper bound, so a failing
+    pair stops early."""
+    total = base
+    num_tables = starts.shape[0] - 1
+    for e in range(num_tables):
+        low = np.inf
+        for lo in range(starts[e], starts[e + 1], SCAN_BLOCK):
+            hi = min(lo + SCAN_BLOCK, starts[e + 1])
+            low = min(low, _swap_min(tables[s, lo:hi], tables[t, lo:hi]))
+            bound = total + low
+            for later in range(e + 1, num_tables):
+                bound += probe_mins[later]
+            if not _passes(bound, strict):
+                return False
+        total += low
+    return _passes(total, strict)
+
+
+@_jit
+def dominated(
+    unary: np.ndarray,
+    tables: np.ndarray,
+    starts: np.ndarray,
+    probes: np.ndarray,
+    probe_starts: np.ndarray,
+    memory: np.ndarray,
+) -> np.ndarray:
+    """``reduce.Graph._dominated``: whether some ``t`` makes ``s`` redundant, i.e.
+
+        U[s] - U[t] + sum_e min_j (T_e[s, j] - T_e[t, j]) > 0   (>= 0 when t < s)
+
+    and ``s`` uses no less memory (``memory`` is empty when memory is free). The
+    tables sit side by side in ``tables`` (columns ``starts[e]:starts[e + 1]``).
+
+    Two cheaper sums bound that one from above and rule most pairs out first:
+    each table's difference at ``s``'s cheapest column (where a ``t`` that is no
+    cheaper cannot dominate), then at the few ``probes`` columns (side by side
+    likewise). Floating-point addition is monotonic, so a bound summed in the
+    same order never falls below the exact sum: the answer is the full check's."""
+    k, num_tables = unary.shape[0], starts.shape[0] - 1
+    columns = np.ascontiguousarray(tables.T)  # columns[j]: column j over every t
+    out = np.zeros(k, dtype=np.bool_)
+    mins = np.empty(num_tables)
+    bound = np.empty(k)
+    check_memory = memory.shape[0] == k
+    for s in range(k):
+        for t in range(k):
+            bound[t] = unary[s] - unary[t]
+        for e in range(num_tables):
+            c = starts[e] + np.argmin(tables[s, starts[e] : starts[e + 1]])
+            a = tables[s, c]
+            for t in range(k):
+                bound[t] += np.inf if a == np.inf else a - columns[c, t]
+        for t in range(k):
+            if s == t or (check_memory and memory[s] < memory[t]):
+                continue
+            strict = t > s
+            if not _passes(bound[t], strict):
+                continue
+            base = unary[s] - unary[t]
+            if not _passes(_probe_sums(base, probes, probe_starts, s, t, mins), strict):
+                continue
+            if _exact_passes(base, tables, starts, s, t, strict, mins):
+                out[s] = True
+                break
+    return out
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) every kernel now, timing it, rather than
+    in the middle of the first solve."""
+    start = time.perf_counter()
+    table = np.zeros((2, 2))
+    min_plus(table, table)
+    starts = np.array([0, 2])
+    dominated(np.zeros(2), table, starts, table, starts, np.zeros(0))
+    plan = np.zeros((0, 5), dtype=np.int64)
+    trws_sweep(np.zeros(0), np.zeros(1, np.int64), np.zeros(0), np.zeros(0), plan, plan,
+               np.zeros(0, np.int64), np.zeros((0, 2)), 1.0)
+    seconds = time.perf_counter() - start
+    if seconds > 1.0:
+        LOG.info("compiled the solver kernels in %.1f s (cached for later runs)", seconds)
+
+
+@_jit
+def _add_row(
+    score: np.ndarray, tables: np.ndarray, link: np.ndarray, ku: int, label: int, msg: np.ndarray
+) -> None:
+    """``score[s] += table(s, label) - message[s]`` for the neighbour's ``label``."""
+    at, inbound = link[2], link[3]
+    for s in range(score.shape[0]):
+        # rows ours: the label picks a column; else it picks a row
+        entry = tables[at + s * ku + label] if link[5] else tables[at + label * score.shape[0] + s]
+        score[s] = score[s] + (entry - msg[inbound + s])
+
+
+@_jit
+def _send(
+    th: np.ndarray, gamma: float, tables: np.ndarray, link: np.ndarray, msg: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """``out[j] = min_s table(s, j) + gamma * th[s] - message[s]``."""
+    kv, ku, at, inbound = th.shape[0], out.shape[0], link[2], link[3]
+    out[:] = np.inf
+    if link[5]:  # rows ours: a row at a time, the whole message updated per row
+        for s in range(kv):
+            w = gamma * th[s] - msg[inbound + s]
+            row = at + s * ku
+            for j in range(ku):
+                out[j] = min(out[j], tables[row + j] + w)
+    else:  # rows the neighbour's: each entry of the message is one row's minimum
+        for j in range(ku):
+            row = at + j * kv
+            best = np.inf
+            for s in range(kv):
+                best = min(best, tables[row + s] + (gamma * th[s] - msg[inbound + s]))
+            out[j] = best
+
+
+@_jit
+def trws_sweep(
+    theta: np.ndarray,
+    starts: np.ndarray,
+    msg: np.ndarray,
+    tables: np.ndarray,
+    plan: np.ndarray,
+    links: np.ndarray,
+    incoming: np.ndarray,
+    weights: np.ndarray,
+    big: float,
+) -> tuple[np.ndarray, float]:
+    """One TRW-S sweep (``trws`` module doc): update the messages in ``msg`` in place,
+    decode a labeling, and return it with the sweep's lower bound.
+
+    ``theta[starts[v]:starts[v + 1]]`` is node ``v``'s unary. Row ``i`` of ``plan``
+    describes the ``i``-th node of the sweep: (node, first and end rows of its
+    ``incoming`` positions, first and end rows of its ``links``); ``weights[i]`` its
+    (gamma, share of the bound held by chains ending there). A link row is (1 if
+    the neighbour is ahead in the sweep, the neighbour, where its table starts in
+    ``tables``, where the message from the neighbour starts in ``msg``, where the
+    one to it starts, 1 if the table's rows are this node's strategies). Each
+    table is read in the orientation it is stored in, so none is copied."""
+    n = plan.shape[0]
+    kmax = 0
+    for v in range(n):
+        kmax = max(kmax, starts[v + 1] - starts[v])
+    x = np.zeros(n, dtype=np.int64)
+    th, score, out = np.empty(kmax), np.empty(kmax), np.empty(kmax)
+    bound = 0.0
+    for i in range(n):
+        v, in_lo, in_hi, link_lo, link_hi = plan[i, 0], plan[i, 1], plan[i, 2], plan[i, 3], plan[i, 4]
+        kv, lo = starts[v + 1] - starts[v], starts[v]
+        gamma, end = weights[i, 0], weights[i, 1]
+        # the messages are summed first, then the unary added, as numpy did
+        th[:kv] = 0.0
+        for p in range(in_lo, in_hi):
+            th[:kv] += msg[incoming[p] : incoming[p] + kv]
+        for s in range(kv):
+            th[s] = theta[lo + s] + th[s] if in_hi > in_lo else theta[lo + s]
+        bound += end * th[:kv].min()
+        score[:kv] = th[:kv]
+        for p in range(link_lo, link_hi):
+            if not links[p, 0]:  # a labelled neighbour: its table row replaces its message
+                u = links[p, 1]
+                _add_row(score[:kv], tables, links[p], starts[u + 1] - starts[u], x[u], msg)
+        x[v] = np.argmin(score[:kv])
+        for p in range(link_lo, link_hi):
+            if links[p, 0]:
+                u = links[p, 1]
+                ku = starts[u + 1] - starts[u]
+                _send(th[:kv], gamma, tables, links[p], msg, out[:ku])
+                d = out[:ku].min()
+                bound += d
+                for j in range(ku):
+                    msg[links[p, 4] + j] = out[j] - d
+    for j in range(msg.shape[0]):
+        msg[j] = min(msg[j], big)
+    return x, bound
