@@ -110,13 +110,34 @@ def _exact_passes(
 
 
 @_jit
+def _probe_columns(tables: np.ndarray, starts: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
+    """Up to ``most`` columns per table, taken from the rows' cheapest ones (evenly
+    spread over them when there are more): where one strategy is cheap and another
+    is not, the difference that rules a pair out. The probed columns side by side,
+    and where each table's start."""
+    k = tables.shape[0]
+    picked = np.empty(0, dtype=np.int64)
+    probe_starts = np.zeros(starts.shape[0], dtype=np.int64)
+    for e in range(starts.shape[0] - 1):
+        lo, hi = starts[e], starts[e + 1]
+        cheapest = np.zeros(hi - lo, dtype=np.bool_)
+        for s in range(k):
+            cheapest[np.argmin(tables[s, lo:hi])] = True
+        columns = np.flatnonzero(cheapest)
+        if columns.shape[0] > most:
+            columns = columns[np.linspace(0, columns.shape[0] - 1, most).astype(np.int64)]
+        picked = np.concatenate((picked, lo + columns))
+        probe_starts[e + 1] = picked.shape[0]
+    probes = np.empty((k, picked.shape[0]))
+    for s in range(k):
+        for c in range(picked.shape[0]):
+            probes[s, c] = tables[s, picked[c]]
+    return probes, probe_starts
+
+
+@_jit
 def dominated(
-    unary: np.ndarray,
-    tables: np.ndarray,
-    starts: np.ndarray,
-    probes: np.ndarray,
-    probe_starts: np.ndarray,
-    memory: np.ndarray,
+    unary: np.ndarray, tables: np.ndarray, starts: np.ndarray, memory: np.ndarray, probes: int
 ) -> np.ndarray:
     """``reduce.Graph._dominated``: whether some ``t`` makes ``s`` redundant, i.e.
 
@@ -127,10 +148,11 @@ def dominated(
 
     Two cheaper sums bound that one from above and rule most pairs out first:
     each table's difference at ``s``'s cheapest column (where a ``t`` that is no
-    cheaper cannot dominate), then at the few ``probes`` columns (side by side
-    likewise). Floating-point addition is monotonic, so a bound summed in the
+    cheaper cannot dominate), then at ``probes`` columns per table
+    (``_probe_columns``). Floating-point addition is monotonic, so a bound summed in the
     same order never falls below the exact sum: the answer is the full check's."""
     k, num_tables = unary.shape[0], starts.shape[0] - 1
+    probed, probe_starts = _probe_columns(tables, starts, probes)
     columns = np.ascontiguousarray(tables.T)  # columns[j]: column j over every t
     out = np.zeros(k, dtype=np.bool_)
     mins = np.empty(num_tables)
@@ -151,7 +173,7 @@ def dominated(
             if not _passes(bound[t], strict):
                 continue
             base = unary[s] - unary[t]
-            if not _passes(_probe_sums(base, probes, probe_starts, s, t, mins), strict):
+            if not _passes(_probe_sums(base, probed, probe_starts, s, t, mins), strict):
                 continue
             if _exact_passes(base, tables, starts, s, t, strict, mins):
                 out[s] = True
@@ -166,7 +188,9 @@ def warm_up() -> None:
     table = np.zeros((2, 2))
     min_plus(table, table)
     starts = np.array([0, 2])
-    dominated(np.zeros(2), table, starts, table, starts, np.zeros(0))
+    dominated(np.zeros(2), table, starts, np.zeros(0), 1)
+    separable(table, 0.0)
+    separable(table.T, 0.0)
     plan = np.zeros((0, 5), dtype=np.int64)
     trws_sweep(np.zeros(0), np.zeros(1, np.int64), np.zeros(0), np.zeros(0), plan, plan,
                np.zeros(0, np.int64), np.zeros((0, 2)), 1.0)
@@ -208,6 +232,26 @@ def _send(
             for s in range(kv):
                 best = min(best, tables[row + s] + (gamma * th[s] - msg[inbound + s]))
             out[j] = best
+
+
+@_jit
+def separable(table: np.ndarray, rtol: float) -> bool:
+    """Whether a finite ``table`` is ``a[s] + b[t]`` up to ``rtol`` of its largest entry,
+    with ``a = table[:, 0]`` and ``b = table[0, :] - table[0, 0]``; stops at the
+    first entry that says no."""
+    scale = 0.0
+    for x in table.flat:
+        if not np.isfinite(x):
+            return False
+        scale = max(scale, abs(x))
+    limit = rtol * scale
+    rows, cols = table.shape
+    for i in range(rows):
+        a = table[i, 0]
+        for j in range(cols):
+            if abs(table[i, j] - a - (table[0, j] - table[0, 0])) > limit:
+                return False
+    return True
 
 
 @_jit

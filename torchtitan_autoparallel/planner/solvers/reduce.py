@@ -182,20 +182,19 @@ class Graph:
         raises its energy or memory. Of two equivalent strategies the lower index
         stays, so one always survives.
 
-        A few columns of each table (``_probe_columns``) bound ``min_j`` from above,
-        so most pairs are ruled out at a fraction of the cost; only the pairs that
-        survive (about a tenth on the 3-D meshes) get the exact minimum."""
+        A few columns of each table (``kernels._probe_columns``) bound ``min_j`` from
+        above, so most pairs are ruled out at a fraction of the cost; only the pairs
+        that survive (about a tenth on the 3-D meshes) get the exact minimum."""
         tables = list(self.adj[v].values())
         k = len(self.domain[v])
         if k * k * sum(t.shape[1] for t in tables) > DOMINANCE_MAX_WORK:
             return np.zeros(k, dtype=bool)
-        probes = [t[:, _probe_columns(t)] for t in tables]
         memory = self.memory[v]
         return kernels.dominated(
             self.unary[v],
-            *_side_by_side(tables),
-            *_side_by_side(probes),
+            *_side_by_side(tables, k),
             np.zeros(0) if memory is None else memory,
+            DOMINANCE_PROBES,
         )
 
     def _restrict(self, v: int, keep: np.ndarray) -> None:
@@ -251,13 +250,9 @@ class Graph:
 
     def _fold_separable(self, v: int) -> None:
         for u, t in list(self.adj[v].items()):
-            if not np.isfinite(t).all() or not self._energy_only_table(v, u):
-                continue
-            a, b = t[:, 0], t[0, :] - t[0, 0]
-            scale = float(np.abs(t).max(initial=0.0))
-            if np.abs(t - a[:, None] - b[None, :]).max(initial=0.0) <= SEPARABLE_RTOL * scale:
-                self.unary[v] += a
-                self.unary[u] += b
+            if self._energy_only_table(v, u) and kernels.separable(t, SEPARABLE_RTOL):
+                self.unary[v] += t[:, 0]
+                self.unary[u] += t[0, :] - t[0, 0]
                 self._drop_edge(v, u)
                 self._push(u)
 
@@ -347,17 +342,8 @@ def beaten(margin: np.ndarray, memory: np.ndarray | None) -> np.ndarray:
     return out.any(axis=1)
 
 
-def _side_by_side(tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """The tables (same rows) as one C-contiguous array, and where each one starts."""
+def _side_by_side(tables: list[np.ndarray], rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tables (``rows`` rows each) as one C-contiguous array, and where each starts."""
     widths = [t.shape[1] for t in tables]
     starts = np.concatenate([[0], np.cumsum(widths)]).astype(np.int64)
-    return np.ascontiguousarray(np.hstack(tables) if tables else np.zeros((0, 0))), starts
-
-
-def _probe_columns(table: np.ndarray) -> np.ndarray:
-    """Up to ``DOMINANCE_PROBES`` columns, taken from the rows' cheapest ones: where one
-    strategy is cheap and another is not, the difference that rules a pair out."""
-    columns = np.unique(np.argmin(table, axis=1))
-    if len(columns) > DOMINANCE_PROBES:
-        columns = columns[np.linspace(0, len(columns) - 1, DOMINANCE_PROBES).astype(np.int64)]
-    return columns
+    return np.ascontiguousarray(np.hstack(tables) if tables else np.zeros((rows, 0))), starts
