@@ -22,7 +22,7 @@ from torchtitan_autoparallel.planner.overlap import add_overlap_prediction, over
 from torchtitan_autoparallel.planner.plan import Plan, plan_from_solution
 from torchtitan_autoparallel.planner.profiles import HardwareProfile
 from torchtitan_autoparallel.planner.repeats import repeated_layer_ties
-from torchtitan_autoparallel.planner.solvers import get_solver
+from torchtitan_autoparallel.planner.solvers import get_solver, kernels
 from torchtitan_autoparallel.planner.solvers.base import Solution
 from torchtitan_autoparallel.planner.solvers.overlap import overlap_solver
 from torchtitan_autoparallel.planner.strategy import enumerate_strategies
@@ -133,6 +133,7 @@ def plan_stages(
         log.info("problem written to %s", export_problem)
     lap("build")
     spec = overlap_spec(built, traced) if overlap else None
+    kernels.warm_up()  # logs the one-off compile on a machine's first run
 
     def solve() -> Solution:
         if spec is not None:
