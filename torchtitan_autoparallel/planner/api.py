@@ -133,9 +133,9 @@ def plan_stages(
         log.info("problem written to %s", export_problem)
     lap("build")
     spec = overlap_spec(built, traced) if overlap else None
-    kernels.warm_up()  # logs the one-off compile on a machine's first run
 
-    def solve() -> Solution:
+    def solve() -> Solution:  # on the solving rank only
+        kernels.warm_up()  # logs the one-off compile on a machine's first run
         if spec is not None:
             return overlap_solver(solver, ilp_backend, spec).solve(built.problem, time_limit_s)
         chosen = get_solver(solver, ilp_backend, optimality_check=optimality_check)

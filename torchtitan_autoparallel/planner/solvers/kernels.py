@@ -9,7 +9,7 @@ answer is known (an ``inf`` left operand, a pair already ruled out).
 
 ``cache=True`` writes the machine code next to this file (or to numba's user
 cache where that is read-only), so only the first run on a machine pays the
-compile (a few seconds, logged).
+compile (under 10 s, logged).
 """
 
 from __future__ import annotations
@@ -110,11 +110,13 @@ def _exact_passes(
 
 
 @_jit
-def _probe_columns(tables: np.ndarray, starts: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
+def _probe_columns(
+    tables: np.ndarray, starts: np.ndarray, most: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Up to ``most`` columns per table, taken from the rows' cheapest ones (evenly
     spread over them when there are more): where one strategy is cheap and another
     is not, the difference that rules a pair out. The probed columns side by side,
-    and where each table's start."""
+    and where each table's probes start."""
     k = tables.shape[0]
     picked = np.empty(0, dtype=np.int64)
     probe_starts = np.zeros(starts.shape[0], dtype=np.int64)
@@ -149,8 +151,9 @@ def dominated(
     Two cheaper sums bound that one from above and rule most pairs out first:
     each table's difference at ``s``'s cheapest column (where a ``t`` that is no
     cheaper cannot dominate), then at ``probes`` columns per table
-    (``_probe_columns``). Floating-point addition is monotonic, so a bound summed in the
-    same order never falls below the exact sum: the answer is the full check's."""
+    (``_probe_columns``). Floating-point addition is monotonic, so a bound summed
+    in the same order never falls below the exact sum: the answer is the full
+    check's."""
     k, num_tables = unary.shape[0], starts.shape[0] - 1
     probed, probe_starts = _probe_columns(tables, starts, probes)
     columns = np.ascontiguousarray(tables.T)  # columns[j]: column j over every t
@@ -181,39 +184,25 @@ def dominated(
     return out
 
 
-def warm_up() -> None:
-    """Compile (or load from the cache) every kernel now, timing it, rather than
-    in the middle of the first solve."""
-    start = time.perf_counter()
-    table = np.zeros((2, 2))
-    min_plus(table, table)
-    starts = np.array([0, 2])
-    dominated(np.zeros(2), table, starts, np.zeros(0), 1)
-    separable(table, 0.0)
-    separable(table.T, 0.0)
-    plan = np.zeros((0, 5), dtype=np.int64)
-    trws_sweep(np.zeros(0), np.zeros(1, np.int64), np.zeros(0), np.zeros(0), plan, plan,
-               np.zeros(0, np.int64), np.zeros((0, 2)), 1.0)
-    seconds = time.perf_counter() - start
-    if seconds > 1.0:
-        LOG.info("compiled the solver kernels in %.1f s (cached for later runs)", seconds)
-
-
 @_jit
 def _add_row(
     score: np.ndarray, tables: np.ndarray, link: np.ndarray, ku: int, label: int, msg: np.ndarray
 ) -> None:
     """``score[s] += table(s, label) - message[s]`` for the neighbour's ``label``."""
-    at, inbound = link[2], link[3]
-    for s in range(score.shape[0]):
+    kv, at, inbound = score.shape[0], link[2], link[3]
+    for s in range(kv):
         # rows ours: the label picks a column; else it picks a row
-        entry = tables[at + s * ku + label] if link[5] else tables[at + label * score.shape[0] + s]
+        entry = tables[at + s * ku + label] if link[5] else tables[at + label * kv + s]
         score[s] = score[s] + (entry - msg[inbound + s])
 
 
 @_jit
 def _send(
-    th: np.ndarray, gamma: float, tables: np.ndarray, link: np.ndarray, msg: np.ndarray,
+    th: np.ndarray,
+    gamma: float,
+    tables: np.ndarray,
+    link: np.ndarray,
+    msg: np.ndarray,
     out: np.ndarray,
 ) -> None:
     """``out[j] = min_s table(s, j) + gamma * th[s] - message[s]``."""
@@ -285,10 +274,11 @@ def trws_sweep(
     th, score, out = np.empty(kmax), np.empty(kmax), np.empty(kmax)
     bound = 0.0
     for i in range(n):
-        v, in_lo, in_hi, link_lo, link_hi = plan[i, 0], plan[i, 1], plan[i, 2], plan[i, 3], plan[i, 4]
+        v, in_lo, in_hi = plan[i, 0], plan[i, 1], plan[i, 2]
+        link_lo, link_hi = plan[i, 3], plan[i, 4]
         kv, lo = starts[v + 1] - starts[v], starts[v]
         gamma, end = weights[i, 0], weights[i, 1]
-        # the messages are summed first, then the unary added, as numpy did
+        # messages first, then the unary: numpy's order, kept so that no plan changed
         th[:kv] = 0.0
         for p in range(in_lo, in_hi):
             th[:kv] += msg[incoming[p] : incoming[p] + kv]
@@ -313,3 +303,21 @@ def trws_sweep(
     for j in range(msg.shape[0]):
         msg[j] = min(msg[j], big)
     return x, bound
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) every kernel now, timing it, rather than
+    in the middle of the first solve."""
+    start = time.perf_counter()
+    table = np.zeros((2, 2))
+    min_plus(table, table)
+    starts = np.array([0, 2])
+    dominated(np.zeros(2), table, starts, np.zeros(0), 1)
+    separable(table, 0.0)
+    separable(table.T, 0.0)
+    plan = np.zeros((0, 5), dtype=np.int64)
+    trws_sweep(np.zeros(0), np.zeros(1, np.int64), np.zeros(0), np.zeros(0), plan, plan,
+               np.zeros(0, np.int64), np.zeros((0, 2)), 1.0)
+    seconds = time.perf_counter() - start
+    if seconds > 1.0:
+        LOG.info("compiled the solver kernels in %.1f s (cached for later runs)", seconds)

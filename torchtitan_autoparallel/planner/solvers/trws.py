@@ -144,6 +144,10 @@ def _sweep_plan(
     chains: np.ndarray,
     n_ahead: np.ndarray,
 ) -> _SweepPlan:
+    """The sweep visiting nodes in ``order``: per node its incoming messages (laid out
+    by node index in ``Trws.incoming``), its links to the neighbours ``behind`` it
+    (already labelled when it is reached) and ``ahead`` (sent messages), and its
+    weights (``1 / n_s`` and the share of chains that end at it)."""
     steps, links, weights = [], [], []
     in_at = np.concatenate([[0], np.cumsum([len(a) + len(b) for a, b in zip(ahead, behind)])])
     in_at = in_at.tolist()
