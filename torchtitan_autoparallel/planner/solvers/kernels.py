@@ -111,21 +111,22 @@ def _exact_passes(
 
 @_jit
 def _probe_columns(
-    tables: np.ndarray, starts: np.ndarray, most: int
+    tables: np.ndarray, starts: np.ndarray, cheapest: np.ndarray, most: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Up to ``most`` columns per table, taken from the rows' cheapest ones (evenly
     spread over them when there are more): where one strategy is cheap and another
-    is not, the difference that rules a pair out. The probed columns side by side,
-    and where each table's probes start."""
+    is not, the difference that rules a pair out (``cheapest[s, e]``: row ``s``'s
+    cheapest column of table ``e``). The probed columns side by side, and where
+    each table's probes start."""
     k = tables.shape[0]
     picked = np.empty(0, dtype=np.int64)
     probe_starts = np.zeros(starts.shape[0], dtype=np.int64)
     for e in range(starts.shape[0] - 1):
         lo, hi = starts[e], starts[e + 1]
-        cheapest = np.zeros(hi - lo, dtype=np.bool_)
+        used = np.zeros(hi - lo, dtype=np.bool_)
         for s in range(k):
-            cheapest[np.argmin(tables[s, lo:hi])] = True
-        columns = np.flatnonzero(cheapest)
+            used[cheapest[s, e] - lo] = True
+        columns = np.flatnonzero(used)
         if columns.shape[0] > most:
             columns = columns[np.linspace(0, columns.shape[0] - 1, most).astype(np.int64)]
         picked = np.concatenate((picked, lo + columns))
@@ -155,7 +156,11 @@ def dominated(
     in the same order never falls below the exact sum: the answer is the full
     check's."""
     k, num_tables = unary.shape[0], starts.shape[0] - 1
-    probed, probe_starts = _probe_columns(tables, starts, probes)
+    cheapest = np.empty((k, num_tables), dtype=np.int64)
+    for s in range(k):
+        for e in range(num_tables):
+            cheapest[s, e] = starts[e] + np.argmin(tables[s, starts[e] : starts[e + 1]])
+    probed, probe_starts = _probe_columns(tables, starts, cheapest, probes)
     columns = np.ascontiguousarray(tables.T)  # columns[j]: column j over every t
     out = np.zeros(k, dtype=np.bool_)
     mins = np.empty(num_tables)
@@ -165,7 +170,7 @@ def dominated(
         for t in range(k):
             bound[t] = unary[s] - unary[t]
         for e in range(num_tables):
-            c = starts[e] + np.argmin(tables[s, starts[e] : starts[e + 1]])
+            c = cheapest[s, e]
             a = tables[s, c]
             for t in range(k):
                 bound[t] += np.inf if a == np.inf else a - columns[c, t]

@@ -68,7 +68,6 @@ class Trws:
         sizes = [int(mrf.k[node]) for a, b in edges for node in (b, a)]
         msg_at = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
         self.msg = np.zeros(msg_at[-1])
-        self.tables = mrf.flat
         earlier: list[list[tuple]] = [[] for _ in range(n)]
         later: list[list[tuple]] = [[] for _ in range(n)]
         incoming: list[list[int]] = [[] for _ in range(n)]  # in edge order: the sum's order
@@ -123,7 +122,7 @@ class Trws:
     def _sweep(self, plan: _SweepPlan, unary: np.ndarray) -> tuple[np.ndarray, float]:
         """One sweep: update messages, decode a labeling, return it with the sweep's bound."""
         return kernels.trws_sweep(
-            unary, self.starts, self.msg, self.tables, plan.steps, plan.links,
+            unary, self.starts, self.msg, self.mrf.flat, plan.steps, plan.links,
             self.incoming, plan.weights, self.mrf.big,
         )
 
