@@ -10,7 +10,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan_autoparallel.models.registry import build_meta_model
-from torchtitan_autoparallel.planner.api import plan_training_step
+from torchtitan_autoparallel.planner.api import plan_stages, plan_training_step
 from torchtitan_autoparallel.planner.plan import Plan
 from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.profiles import load_profile
@@ -73,6 +73,17 @@ def test_exported_problem_reloads_and_scores_the_same(plan_2d):
     problem = Problem.load(path)
     assert problem.num_nodes > 100 and len(problem.ties) > 0
     assert problem.memory_budget == pytest.approx(plan.memory_budget_bytes)
+
+
+def test_repeated_layers_share_their_tables(model, mesh_2d):
+    stages = plan_stages(model, mesh_2d, global_batch_size=8, seq_len=256, profile=PROFILE)
+    problem = stages.built.problem
+    distinct = {id(t): t for t in problem.pairwise}
+    # four blocks ask the same questions: far fewer tables than edges, none writable
+    assert len(distinct) < len(problem.edges) / 2
+    assert not any(t.flags.writeable for t in distinct.values())
+    contents = {(t.shape, t.tobytes()) for t in distinct.values()}
+    assert len(contents) == len(distinct)  # and no two of them are equal
 
 
 def test_table_has_one_row_per_distinct_block(plan_2d):

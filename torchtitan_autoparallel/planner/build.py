@@ -12,7 +12,9 @@
   the smallest achievable, which is what makes ``dp_shard`` mean FSDP.
 
 Tables are built once per distinct question (shape, dtype, placements) and
-gathered with numpy fancy indexing, so repeated layers cost lookups only.
+gathered with numpy fancy indexing, so repeated layers cost lookups only; edges
+that ask the same question share one read-only table (``share_tables``), so a
+70B model's problem holds a few hundred tables, not tens of thousands.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import fx
 
 from torchtitan_autoparallel.planner.cost_model import compute_time_us, redistribute_cost_matrix
 from torchtitan_autoparallel.planner.placement import MeshSpec, Placements, is_shard, label, local_shape
-from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem, share_tables
 from torchtitan_autoparallel.planner.profiles import HardwareProfile
 from torchtitan_autoparallel.planner.rules import VIEW_OPS
 from torchtitan_autoparallel.planner.strategy import NodeStrategies, Strategy, StrategyTable
@@ -91,7 +93,7 @@ def build_problem(
         strategy_labels=[[_strategy_label(s) for s in table.nodes[n].strategies] for n in nodes],
         unary=unary,
         edges=np.array(edges, dtype=np.int64).reshape(-1, 2),
-        pairwise=pairwise,
+        pairwise=share_tables(pairwise),
         memory=memory,
         memory_budget=budget,
         pins=pins,
@@ -210,13 +212,14 @@ def _pairwise(
     edges: list[tuple[int, int]] = []
     tables: list[np.ndarray] = []
     edge_parts: list[list[EdgeInfo]] = []
+    gathered: dict[tuple, np.ndarray] = {}  # one table object per question asked
     for part in parts:
         srcs = [s.outputs[part.output_index] for s in table.nodes[part.producer].strategies]
         if part.arg_index == GRAD_EDGE:
             dsts = [t.outputs[0] for t in table.nodes[part.consumer].strategies]
         else:
             dsts = [t.inputs[part.arg_index] for t in table.nodes[part.consumer].strategies]
-        cost = _cost_table(part.shape, part.dtype, srcs, dsts, mesh, profile)
+        cost = _cost_table(part.shape, part.dtype, srcs, dsts, mesh, profile, gathered)
         if part.producer in low_tail and (part.consumer in low_tail or part.consumer in casts):
             cost = np.where(_reduces_early(srcs, dsts), np.inf, cost)
         pair = (index[part.producer], index[part.consumer])
@@ -239,16 +242,22 @@ def _cost_table(
     dsts: list[Placements],
     mesh: MeshSpec,
     profile: HardwareProfile,
+    gathered: dict[tuple, np.ndarray],
 ) -> np.ndarray:
-    """redistribute_cost_matrix on the distinct placements, expanded by fancy indexing."""
+    """redistribute_cost_matrix on the distinct placements, expanded by fancy indexing
+    (once per question: ``gathered`` keeps the expanded tables of this build)."""
     usrc, src_idx = _uniques(srcs)
     udst, dst_idx = _uniques(dsts)
     key = (shape, dtype, usrc, udst, mesh.sizes, profile)
-    small = _matrix_memo.get(key)
-    if small is None:
-        small = redistribute_cost_matrix(shape, dtype.itemsize, list(usrc), list(udst), mesh.sizes, profile)
-        _matrix_memo[key] = small
-    return small[np.ix_(src_idx, dst_idx)]
+    full_key = (key, src_idx.tobytes(), dst_idx.tobytes())
+    table = gathered.get(full_key)
+    if table is None:
+        small = _matrix_memo.get(key)
+        if small is None:
+            small = redistribute_cost_matrix(shape, dtype.itemsize, list(usrc), list(udst), mesh.sizes, profile)
+            _matrix_memo[key] = small
+        table = gathered[full_key] = small[np.ix_(src_idx, dst_idx)]
+    return table
 
 
 def _uniques(items: list[Placements]) -> tuple[tuple[Placements, ...], np.ndarray]:

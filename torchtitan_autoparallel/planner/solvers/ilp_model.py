@@ -160,6 +160,15 @@ def memory_message(budget: float, minimum: float) -> str:
 
 def tie_components(num_nodes: int, ties: list[list[int]]) -> np.ndarray:
     """Component label per node; overlapping tie groups merge (union-find)."""
+    groups = [g for g in ties if len(g)]
+    members = np.concatenate([np.asarray(g, dtype=np.int64) for g in groups]) if groups else None
+    if members is None or len(np.unique(members)) == len(members):
+        # disjoint groups (what the planner makes): each member's root is its
+        # group's first node, as the union-find below would find, in one pass
+        comp = np.arange(num_nodes, dtype=np.int64)
+        if groups:
+            comp[members] = np.repeat([g[0] for g in groups], [len(g) for g in groups])
+        return comp
     parent = np.arange(num_nodes)
 
     def root(a: int) -> int:
