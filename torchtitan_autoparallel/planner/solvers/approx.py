@@ -11,8 +11,10 @@
    (``local_search``) polishes the labeling.
 3. A memory budget that binds is relaxed with a Lagrange multiplier: the
    unary becomes ``theta_v + lam * memory_v``. Bisection on ``lam`` finds the
-   smallest price at which TRW-S's plan fits; every plan met on the way is
-   repaired and polished under the budget, and the best that fits is kept. For
+   smallest price at which TRW-S's plan fits; every distinct plan met on the
+   way is repaired and polished under the budget (once: neighbouring prices
+   mostly give TRW-S the same plan, and the local search is the costly part),
+   and the best that fits is kept. For
    any ``lam >= 0`` the TRW-S bound of the priced energy minus ``lam * budget``
    bounds the constrained optimum from below, so the best such figure is the
    certificate.
@@ -155,6 +157,7 @@ class _Lagrangian:
         self.best_energy = math.inf
         self.bound = -math.inf
         self.timed_out = False
+        self.plans: dict[bytes, tuple[np.ndarray, float]] = {}  # TRW-S's plans, first price
 
     def search(self) -> _Outcome:
         fits, energy, used = self._attempt(0.0)
@@ -162,6 +165,12 @@ class _Lagrangian:
             bracket = self._bracket(energy, used)
             if bracket is not None:
                 self._bisect(*bracket)
+        for x, lam in self.plans.values():
+            polished = polish(self.mrf, x, self.deadline, lam)
+            if self.mrf.feasible(polished):
+                e = self.mrf.energy(polished)
+                if e < self.best_energy:
+                    self.best, self.best_energy = polished, e
         return _Outcome(self.best, self.bound, self.timed_out)
 
     def _bracket(self, energy: float, used: float) -> tuple[float, float] | None:
@@ -196,11 +205,7 @@ class _Lagrangian:
         self.bound = max(self.bound, run.bound - lam * mrf.budget)
         x = run.labels
         energy, used = mrf.energy(x), mrf.memory_used(x)
-        polished = polish(mrf, x, self.deadline, lam)
-        if mrf.feasible(polished):
-            e = mrf.energy(polished)
-            if e < self.best_energy:
-                self.best, self.best_energy = polished, e
+        self.plans.setdefault(x.tobytes(), (x, lam))
         LOG.debug("lagrangian: lam %.3g, plan %.6g us, %.4g bytes", lam, energy, used)
         return used <= mrf.budget and energy < mrf.big, energy, used
 

@@ -43,6 +43,10 @@ class LocalState:
             self.adj[b].append((a, t, False))
         self.classes = _colour_classes(self.adj)
         self.x = np.asarray(x, dtype=np.int64).copy()
+        self.moves = 0
+        self.stamp = np.zeros(n, dtype=np.int64)  # the move count at each node's last move
+        self._reach: list[np.ndarray] | None = None
+        self._quiet: dict[int, tuple[int, float]] = {}  # star centre -> (moves, slack) at a miss
         self.refresh()
 
     def refresh(self) -> None:
@@ -75,6 +79,24 @@ class LocalState:
             else:
                 self.cost[z, : t.shape[0]] += t[:, label] - t[:, old]
         self.x[v] = label
+        self.moves += 1
+        self.stamp[v] = self.moves
+
+    def star_settled(self, centre: int) -> bool:
+        """The star move at ``centre`` was found not to help, and nothing it reads has
+        changed since: no node within two edges moved (its block's labels and their
+        neighbours' costs) and the slack did not grow (a move refused for memory
+        might fit now)."""
+        seen = self._quiet.get(centre)
+        if seen is None:
+            return False
+        if self._reach is None:
+            self._reach = _within_two(self.adj)
+        moves, slack = seen
+        return self.slack <= slack and int(self.stamp[self._reach[centre]].max()) <= moves
+
+    def star_missed(self, centre: int) -> None:
+        self._quiet[centre] = (self.moves, self.slack)
 
 
 def polish(
@@ -153,9 +175,14 @@ def stars(state: LocalState, lam: float = 0.0, depth: int = 1, centres=None) -> 
     """One round of block moves (stars, or deeper trees) over ``centres`` (all nodes by
     default); returns how many were taken."""
     taken = 0
+    stars_only = depth == 1 and centres is None  # the rounds that revisit every centre
     for c in range(state.mrf.num_nodes) if centres is None else centres:
-        if state.adj[c] and _tree_move(state, int(c), depth, lam):
+        if not state.adj[c] or (stars_only and state.star_settled(c)):
+            continue
+        if _tree_move(state, int(c), depth, lam):
             taken += 1
+        elif stars_only:
+            state.star_missed(c)
     return taken
 
 
@@ -331,6 +358,15 @@ def _repair_single(state: LocalState) -> None:
         if not np.isfinite(ratio[v, label]):
             return  # no move saves memory: the caller finds the plan does not fit
         state.move(int(v), int(label))
+
+
+def _within_two(adj: list[list[tuple[int, np.ndarray, bool]]]) -> list[np.ndarray]:
+    """Per node, itself and the nodes one or two edges away."""
+    near = [{v, *(z for z, _, _ in nbrs)} for v, nbrs in enumerate(adj)]
+    return [
+        np.fromiter(set().union(*(near[z] for z in near[v])), dtype=np.int64)
+        for v in range(len(adj))
+    ]
 
 
 def _colour_classes(adj: list[list[tuple[int, np.ndarray, bool]]]) -> list[np.ndarray]:

@@ -15,6 +15,7 @@ message passing sweeps in.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -44,9 +45,13 @@ class Mrf:
     def num_nodes(self) -> int:
         return len(self.unary)
 
-    @property
-    def k(self) -> np.ndarray:
+    @cached_property
+    def k(self) -> np.ndarray:  # the label counts never change once built
         return np.array([len(u) for u in self.unary], dtype=np.int64)
+
+    @cached_property
+    def _columns(self) -> np.ndarray:
+        return np.array([t.shape[1] for t in self.tables], dtype=np.int64)
 
     def energy(self, x: np.ndarray, unary: list[np.ndarray] | None = None) -> float:
         """Energy of a compact labeling; ``>= big`` means it uses a forbidden pair."""
@@ -54,8 +59,7 @@ class Mrf:
         total = float(sum(u[i] for u, i in zip(unary, x.tolist())))
         if len(self.edges):
             a, b = self.edges[:, 0], self.edges[:, 1]
-            kb = np.array([t.shape[1] for t in self.tables], dtype=np.int64)
-            total += float(self.flat[self.offset + x[a] * kb + x[b]].sum())
+            total += float(self.flat[self.offset + x[a] * self._columns + x[b]].sum())
         return total
 
     def memory_used(self, x: np.ndarray) -> float:
