@@ -361,8 +361,8 @@ def test_presolve_of_wide_nodes_keeps_the_optimum(seed: int) -> None:
 
 
 @pytest.mark.parametrize("shape", [(3, 40, 5), (70, 30, 90), (64, 1, 64)])
-def test_min_plus_equals_the_block_argmin(shape: tuple[int, int, int]) -> None:
-    from torchtitan_autoparallel.planner.solvers.kernels import min_plus
+def test_min_plus_equals_the_block_min_and_argmin(shape: tuple[int, int, int]) -> None:
+    from torchtitan_autoparallel.planner.solvers.kernels import first_argmin_plus, min_plus
 
     rng = np.random.default_rng(sum(shape))
     ku, kv, kw = shape
@@ -371,9 +371,11 @@ def test_min_plus_equals_the_block_argmin(shape: tuple[int, int, int]) -> None:
     left[rng.random(left.shape) < 0.2] = np.inf
     right[:, 0] = np.inf  # a column no middle strategy reaches
     block = left[:, :, None] + right[None, :, :]
-    cost, best = min_plus(left, right)
-    np.testing.assert_array_equal(cost, block.min(axis=1))
-    np.testing.assert_array_equal(best, np.argmin(block, axis=1))
+    np.testing.assert_array_equal(min_plus(left, right), block.min(axis=1))
+    best = np.argmin(block, axis=1)  # the first of tied minima; 0 where all are inf
+    for i in range(ku):
+        for j in range(kw):
+            assert first_argmin_plus(left, right, i, j) == best[i, j]
 
 
 def test_separable_tables_are_recognised_in_either_layout() -> None:

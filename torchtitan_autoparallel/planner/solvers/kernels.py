@@ -26,14 +26,15 @@ SCAN_BLOCK = 32  # columns between early-exit checks of the exact dominance scan
 
 
 @_jit
-def min_plus(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``min_s left[i, s] + right[s, j]`` and its first argmin (0 where all are ``inf``)."""
+def min_plus(left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """``min_s left[i, s] + right[s, j]``. The argmin is left to the one entry a plan
+    asks for (``first_argmin_plus``): without it the inner loop is a branch-free
+    running minimum, about twice as fast."""
     ku, kv = left.shape
     kw = right.shape[1]
     cost = np.full((ku, kw), np.inf)
-    best = np.zeros((ku, kw), dtype=np.int64)
     for i in range(ku):
-        row, arg = cost[i], best[i]
+        row = cost[i]
         for s in range(kv):
             a = left[i, s]
             if a == np.inf:
@@ -41,10 +42,14 @@ def min_plus(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarra
             r = right[s]
             for j in range(kw):
                 c = a + r[j]
-                if c < row[j]:
-                    row[j] = c
-                    arg[j] = s
-    return cost, best
+                row[j] = c if c < row[j] else row[j]
+    return cost
+
+
+def first_argmin_plus(left: np.ndarray, right: np.ndarray, i: int, j: int) -> int:
+    """The first ``s`` at which ``left[i, s] + right[s, j]`` is least (0 if all are
+    ``inf``): the middle strategy behind ``min_plus(left, right)[i, j]``."""
+    return int(np.argmin(left[i] + right[:, j]))
 
 
 @_jit

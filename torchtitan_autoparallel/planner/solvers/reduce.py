@@ -12,7 +12,9 @@ Each reduction keeps the optimum (and the set of optimal energies) unchanged:
   unaries;
 * a memory-free node of degree 0, 1 or 2 is eliminated by min-marginalisation
   (a min-plus product for degree 2, only when that does not grow the problem),
-  recording the argmin so the plan can be rebuilt.
+  recording the argmin (for degree 2, the product's operands: the argmin is
+  found only for the neighbours' labels a plan picks) so the plan can be
+  rebuilt.
 
 The graph is kept as adjacency dictionaries of oriented tables (the two
 orientations of a table are a view of each other), and a work list revisits
@@ -43,7 +45,16 @@ class Elimination:
     node: int
     parents: tuple[int, ...]
     parent_domains: tuple[np.ndarray, ...]  # the parents' strategies when it was eliminated
-    choice: np.ndarray  # indexed by the parents' positions in those domains -> strategy
+    # indexed by the parents' positions in those domains -> strategy; None for a link,
+    # whose choice is found only for the parents' labels a plan picks (``link``)
+    choice: np.ndarray | None
+    link: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # left, right, strategies
+
+    def pick(self, at: tuple[int, ...]) -> int:
+        if self.link is None:
+            return int(self.choice[at])
+        left, right, strategies = self.link
+        return int(strategies[kernels.first_argmin_plus(left, right, *at)])
 
 
 class Graph:
@@ -258,9 +269,11 @@ class Graph:
 
     # --- eliminations --------------------------------------------------------
 
-    def _remove(self, v: int, parents: tuple[int, ...], choice: np.ndarray) -> None:
+    def _remove(
+        self, v: int, parents: tuple[int, ...], choice: np.ndarray | None, link=None
+    ) -> None:
         domains = tuple(self.domain[p].copy() for p in parents)
-        self.eliminations.append(Elimination(v, parents, domains, choice))
+        self.eliminations.append(Elimination(v, parents, domains, choice, link))
         for u in list(self.adj[v]):
             self._drop_edge(v, u)
             self._push(u)
@@ -292,9 +305,9 @@ class Graph:
         if w not in self.adj[u] and ku * kw > kv * (ku + kw):
             return False  # the u-w table would outgrow the two it replaces
         left = np.ascontiguousarray(self.adj[u][v] + self.unary[v][None, :])  # (k_u, k_v)
-        cost, best = kernels.min_plus(left, np.ascontiguousarray(self.adj[v][w]))
-        self._add_table(u, w, cost)
-        self._remove(v, (u, w), self.domain[v][best])
+        right = np.ascontiguousarray(self.adj[v][w])
+        self._add_table(u, w, kernels.min_plus(left, right))
+        self._remove(v, (u, w), None, (left, right, self.domain[v].copy()))
         return True
 
     # --- results -----------------------------------------------------------
@@ -308,7 +321,7 @@ class Graph:
             at = tuple(
                 int(np.searchsorted(d, x[p])) for p, d in zip(rec.parents, rec.parent_domains)
             )
-            x[rec.node] = int(rec.choice[at])
+            x[rec.node] = rec.pick(at)
         return x
 
     def check_fixed_memory(self) -> None:
