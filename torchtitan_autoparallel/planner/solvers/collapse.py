@@ -170,7 +170,7 @@ def _pairwise(terms: _Terms) -> np.ndarray:
     a stack of 80 layers costs about 23 additions of its table instead of 79."""
     n = len(terms)
     if n < 8:
-        return _running_sum(terms.tables(), terms.table(0) + 0.0)  # from zero, as numpy
+        return _add_all(terms.table(0) + 0.0, terms[1:])  # from zero, as numpy starts
     if n <= PAIRWISE_BLOCK:
         done = n - n % 8
         summed: dict[bytes, np.ndarray] = {}
@@ -179,19 +179,19 @@ def _pairwise(terms: _Terms) -> np.ndarray:
             lane = terms[j:done:8]
             key = lane.ident.tobytes()
             if key not in summed:
-                summed[key] = _running_sum(lane.tables(), np.array(lane.table(0), order="C"))
+                summed[key] = _add_all(np.array(lane.table(0), order="C"), lane[1:])
             lanes.append(summed[key])  # never written again: sharing it is safe
         total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + (
             (lanes[4] + lanes[5]) + (lanes[6] + lanes[7])
         )
-        return _running_sum([total] + terms[done:].tables(), total)
+        return _add_all(total, terms[done:])
     half = n // 2
     half -= half % 8
     return _pairwise(terms[:half]) + _pairwise(terms[half:])
 
 
-def _running_sum(tables: list[np.ndarray], total: np.ndarray) -> np.ndarray:
-    """``total`` (a fresh array holding the first table) plus the other tables in turn."""
-    for t in tables[1:]:
+def _add_all(total: np.ndarray, terms: _Terms) -> np.ndarray:
+    """``total`` (a fresh array) plus each of ``terms`` in turn, in place."""
+    for t in terms.tables():
         total += t
     return total
