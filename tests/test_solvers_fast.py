@@ -220,6 +220,42 @@ def test_star_moves_skip_only_centres_whose_answer_cannot_have_changed(monkeypat
     assert skipped > 0  # the shortcut was taken, and changed nothing
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_tree_blocks_are_trees_solved_exactly(depth: int) -> None:
+    """The compiled block move: its nodes induce a tree on the graph, and its
+    relabeling is the best of every relabeling of those nodes (enumerated) under
+    energy + lam * memory, with the gain and growth that relabeling really has."""
+    from itertools import product
+
+    from torchtitan_autoparallel.planner.solvers import local_search
+
+    rng = np.random.default_rng(depth)
+    for seed in range(12):
+        mrf = build_mrf(sparse_problem(seed, n=12, chords=5, memory=True))
+        state = local_search.LocalState(mrf, np.array([rng.integers(k) for k in mrf.k]))
+        lam = float(rng.choice([0.0, 0.7]))
+        for root in rng.choice(mrf.num_nodes, 3, replace=False).tolist():
+            block = local_search._block(state, root, depth, lam)
+            nodes = block.order.tolist()
+            assert nodes[0] == root and len(set(nodes)) == len(nodes)
+            inside = sum(a in nodes and b in nodes for a, b in mrf.edges.tolist())
+            assert inside == len(nodes) - 1  # a tree: no induced cycle
+            score = {}
+            for labels in product(*(range(mrf.k[v]) for v in nodes)):
+                y = state.x.copy()
+                y[nodes] = labels
+                score[labels] = mrf.energy(y) + lam * mrf.memory_used(y)
+            best = min(score.values())
+            assert score[tuple(block.best.tolist())] == pytest.approx(best, rel=1e-12)
+            y = state.x.copy()
+            y[nodes] = block.best
+            assert block.gain == pytest.approx(mrf.energy(state.x) - mrf.energy(y), rel=1e-9)
+            assert block.grow == pytest.approx(mrf.memory_used(y) - mrf.memory_used(state.x))
+            for r in range(mrf.k[root]):  # totals: the best per root label, up to a constant
+                best_r = min(v for labels, v in score.items() if labels[0] == r)
+                assert best_r - block.totals[r] == pytest.approx(best - block.totals.min())
+
+
 # --- memory budget -------------------------------------------------------------
 
 

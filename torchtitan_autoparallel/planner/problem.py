@@ -28,6 +28,7 @@ vectorised form once and every solver is scored on exactly the same objective.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,14 +103,22 @@ class Problem:
             float(m[assignment[v]]) for v, m in enumerate(self.memory) if m is not None
         )
 
-    def is_feasible(self, assignment: np.ndarray, tol: float = 1e-6) -> bool:
+    def is_feasible(
+        self, assignment: np.ndarray, tol: float = 1e-6, energy: float | None = None
+    ) -> bool:
+        """Finite energy, pins and ties kept, memory within budget. ``energy``: the
+        assignment's ``energy`` where the caller has it already (it is the costly part)."""
         x = np.asarray(assignment, dtype=np.int64)
-        if not np.isfinite(self.energy(x)):
+        if not np.isfinite(self.energy(x) if energy is None else energy):
             return False
         if any(x[v] != s for v, s in self.pins.items()):
             return False
-        if any(len({int(x[v]) for v in g}) > 1 for g in self.ties):
-            return False
+        groups = [g for g in self.ties if len(g)]
+        if groups:  # every member picks what its group's first member picks
+            members = np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64)
+            first = np.repeat([g[0] for g in groups], [len(g) for g in groups])
+            if (x[members] != x[first]).any():
+                return False
         if self.memory_budget is not None:
             return self.memory_used(x) <= self.memory_budget * (1 + tol)
         return True

@@ -97,7 +97,7 @@ class ApproxSolver:
             return self._exact(problem, start, time_limit, "no plan found that fits")
         assignment = reduced.expand(mrf.expand(outcome.labels))
         objective = problem.energy(assignment)
-        if not problem.is_feasible(assignment):
+        if not problem.is_feasible(assignment, energy=objective):
             raise RuntimeError(f"{self.name}: the plan violates the problem's constraints")
         lower = min(objective, outcome.bound + reduced.offset)
         status = _status(objective, lower, outcome.timed_out)

@@ -116,16 +116,30 @@ def _sum_parallel(
     Summing the tables of each slot directly reads each one once; stacking them
     first (then ``reduceat``) copied every entry, over a gigabyte on the largest
     problems. The additions follow ``np.add.reduceat``'s order, so the tables are
-    bitwise those of the stacked version (and the plans the same)."""
+    bitwise those of the stacked version (and the plans the same).
+
+    Slots that add the same tables in the same order get the same bits, so each
+    such sequence is summed once and its slots share the result, read-only as
+    the problem's own shared tables are: the 80-layer stacks of LLaMA3-70B make
+    about 100 distinct sums out of 230 slots."""
     # repeated layers share one table object (``problem.share_tables``): which
     # object, and which way round, says which terms are equal without reading them
-    objects: dict[int, int] = {}
-    which = np.array([objects.setdefault(id(t), len(objects)) for t in pairwise], dtype=np.int64)
+    ids = np.fromiter(map(id, pairwise), dtype=np.uint64, count=len(pairwise))
+    which = np.unique(ids, return_inverse=True)[1].reshape(-1).astype(np.int64)
     order = np.argsort(slot, kind="stable")  # edge order within a slot, as reduceat adds
     edges = outer[order]
     terms = _Terms(pairwise, edges, flip[edges], which[edges] * 2 + flip[edges])
     bounds = np.searchsorted(slot[order], np.arange(count + 1))
-    return [_reduceat_sum(terms[a:b]) for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+    sums: dict[bytes, np.ndarray] = {}
+    out = []
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        key = terms.ident[a:b].tobytes()
+        table = sums.get(key)
+        if table is None:
+            table = sums[key] = _reduceat_sum(terms[a:b])
+            table.flags.writeable = False
+        out.append(table)
+    return out
 
 
 @dataclass

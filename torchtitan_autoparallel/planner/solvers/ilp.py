@@ -85,7 +85,7 @@ class _IlpSolver:
         assignment = model.assignment(run.col_value)
         objective = problem.energy(assignment)
         _check_objective(self.name, objective, run.objective + model.offset)
-        if not problem.is_feasible(assignment):
+        if not problem.is_feasible(assignment, energy=objective):
             raise RuntimeError(f"{self.name}: the solver's plan violates the problem's constraints")
         status = run.status
         lower = objective if status == "optimal" else min(objective, run.bound + model.offset)

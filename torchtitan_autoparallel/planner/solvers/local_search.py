@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from torchtitan_autoparallel.planner.solvers import kernels
 from torchtitan_autoparallel.planner.solvers.mrf import Mrf
 
 GAIN_RTOL = 1e-12  # a move must gain more than this (relative) to count
@@ -41,6 +42,7 @@ class LocalState:
         for (a, b), t in zip(mrf.edges.tolist(), mrf.tables):
             self.adj[a].append((b, t, True))
             self.adj[b].append((a, t, False))
+        self.graph = _csr(mrf)
         self.classes = _colour_classes(self.adj)
         self.x = np.asarray(x, dtype=np.int64).copy()
         self.moves = 0
@@ -186,75 +188,48 @@ def stars(state: LocalState, lam: float = 0.0, depth: int = 1, centres=None) -> 
     return taken
 
 
-@dataclass
-class _Proposal:
-    labels: dict[int, int]  # block node -> its new label
-    gain: float  # energy saved
-    grow: float  # memory added (negative: freed)
-
-
 def _tree_move(state: LocalState, root: int, depth: int, lam: float) -> bool:
     """Relabel a tree block around ``root`` optimally (everything else fixed), if that
     lowers the energy and the plan still fits."""
-    proposal = _propose(state, root, depth, lam)
-    if proposal.gain <= state.tol() or (proposal.grow > 0 and proposal.grow > state.slack):
+    block = _block(state, root, depth, lam)
+    if block.gain <= state.tol() or (block.grow > 0 and block.grow > state.slack):
         return False
-    for v, label in proposal.labels.items():
+    for v, label in zip(block.order.tolist(), block.best.tolist()):
         state.move(v, label)
     return True
 
 
 @dataclass
 class _Block:
-    """A tree block's min-sum pass: the best relabeling for each label of its root."""
+    """A tree block's min-sum pass (``kernels.tree_block``): the best relabeling for
+    each label of its root, and the best one overall under energy + lam * memory."""
 
-    order: list[int]  # root first, parents before children
-    parent: dict[int, int]
-    tables: dict[int, np.ndarray]  # child -> (k_parent, k_child)
-    rest: dict[int, np.ndarray]  # node -> its cost without its block edges
-    picks: dict[int, np.ndarray]  # child -> its best label per parent label
+    order: np.ndarray  # root first, parents before children
+    parent: np.ndarray  # each node's parent's position in ``order`` (-1: the root)
+    picks: np.ndarray  # (nodes, width): each node's best label per parent label
     totals: np.ndarray  # (k_root,) best block energy (+ lam * memory) per root label
+    now: float  # the block's energy (memory not priced) at the current labels
+    best: np.ndarray  # the best relabeling, by position in ``order``
+    gain: float  # energy it saves
+    grow: float  # memory it adds (negative: frees)
 
     def labels(self, root_label: int) -> dict[int, int]:
-        new = {self.order[0]: root_label}
-        for v in self.order[1:]:
-            new[v] = int(self.picks[v][new[self.parent[v]]])
-        return new
-
-    def energy(self, labels: dict[int, int] | np.ndarray) -> float:
-        """The block's energy (memory not priced) at ``labels``, the rest fixed."""
-        total = sum(self.rest[v][labels[v]] for v in self.order)
-        total += sum(self.tables[v][labels[self.parent[v]], labels[v]] for v in self.order[1:])
-        return float(total)
+        new = [root_label]
+        for i in range(1, len(self.order)):
+            new.append(int(self.picks[i, new[self.parent[i]]]))
+        return dict(zip(self.order.tolist(), new))
 
 
 def _block(state: LocalState, root: int, depth: int, lam: float) -> _Block:
-    order, parent, tables = _grow_tree(state, root, depth)
-    x, mem = state.x, state.mem
-    rest = {v: state.cost[v, : len(state.mrf.unary[v])].copy() for v in order}
-    for v in order[1:]:
-        t, p = tables[v], parent[v]
-        rest[v] -= t[x[p]]
-        rest[p] -= t[:, x[v]]
-    priced = {v: rest[v] + lam * mem[v, : len(rest[v])] for v in order}
-    picks = {}
-    for v in reversed(order[1:]):  # leaves first: min-sum towards the root
-        joint = priced[v][None, :] + tables[v]
-        picks[v] = np.argmin(joint, axis=1)
-        priced[parent[v]] = priced[parent[v]] + joint[np.arange(len(joint)), picks[v]]
-    return _Block(order, parent, tables, rest, picks, priced[root])
-
-
-def _propose(state: LocalState, root: int, depth: int, lam: float) -> _Proposal:
-    """The block's best relabeling under energy + ``lam`` * memory."""
-    block = _block(state, root, depth, lam)
-    new = block.labels(int(np.argmin(block.totals)))
-    gain = block.energy(state.x) - block.energy(new)
-    return _Proposal(new, gain, _growth(state, new))
-
-
-def _growth(state: LocalState, new: dict[int, int]) -> float:
-    return float(sum(state.mem[v, label] - state.mem[v, state.x[v]] for v, label in new.items()))
+    """The breadth-first block around ``root`` whose induced edges form a tree (a node
+    joins only if exactly one of its neighbours is already in; costliest edges
+    first, since a forbidden pair is most likely left on one), solved exactly."""
+    mrf = state.mrf
+    return _Block(
+        *kernels.tree_block(
+            state.cost, state.mem, state.x, mrf.k, mrf.flat, state.graph, root, depth, lam
+        )
+    )
 
 
 def trades(state: LocalState) -> int:
@@ -263,12 +238,12 @@ def trades(state: LocalState) -> int:
     holders = np.flatnonzero(np.ptp(state.mem, axis=1) > 0)
     taken = 0
     for v in holders.tolist():
-        proposal = _propose(state, v, 1, 0.0)
-        need = proposal.grow - state.slack
-        if proposal.gain <= state.tol() or need <= 0:
+        block = _block(state, v, 1, 0.0)
+        need = block.grow - state.slack
+        if block.gain <= state.tol() or need <= 0:
             continue  # nothing to gain, or the star move needs no trade
-        near = set(proposal.labels)
-        for u in proposal.labels:
+        near = set(block.order.tolist())
+        for u in block.order.tolist():
             near.update(z for z, _, _ in state.adj[u])
         others = np.array([w for w in holders.tolist() if w not in near], dtype=np.int64)
         if not len(others):
@@ -278,43 +253,12 @@ def trades(state: LocalState) -> int:
         extra = state.cost[others] - state.cost[others, current][:, None]
         extra = np.where(saved >= need, extra, np.inf)
         w, label = np.unravel_index(int(np.argmin(extra)), extra.shape)
-        if extra[w, label] < proposal.gain - state.tol():
+        if extra[w, label] < block.gain - state.tol():
             state.move(int(others[w]), int(label))
-            for u, new in proposal.labels.items():
+            for u, new in zip(block.order.tolist(), block.best.tolist()):
                 state.move(u, new)
             taken += 1
     return taken
-
-
-def _grow_tree(
-    state: LocalState, root: int, depth: int
-) -> tuple[list[int], dict[int, int], dict[int, np.ndarray]]:
-    """Breadth-first block around ``root`` whose induced edges form a tree: a node
-    joins only if exactly one of its neighbours is already in. Costliest edges
-    first, since a forbidden pair is most likely left on one. Returns the nodes
-    in order, each one's parent, and each one's table oriented (k_parent, k_node)."""
-    x, adj = state.x, state.adj
-    order, parent, tables = [root], {}, {}
-    inside = {root}
-    level = [root]
-    for _ in range(depth):
-        nxt = []
-        for v in level:
-            for z, t, rows in sorted(adj[v], key=lambda e: -_edge_cost(x, v, e)):
-                if z in inside or sum(w in inside for w, _, _ in adj[z]) != 1:
-                    continue
-                inside.add(z)
-                order.append(z)
-                parent[z] = v
-                tables[z] = t if rows else t.T
-                nxt.append(z)
-        level = nxt
-    return order, parent, tables
-
-
-def _edge_cost(x: np.ndarray, v: int, entry: tuple[int, np.ndarray, bool]) -> float:
-    z, t, rows = entry
-    return float(t[x[v], x[z]] if rows else t[x[z], x[v]])
 
 
 def repair(state: LocalState) -> None:
@@ -329,10 +273,11 @@ def repair(state: LocalState) -> None:
         at_once = (math.inf, None)  # (energy, labels) of the cheapest move saving ``need``
         for v in holders:
             block = _block(state, v, 1, 0.0)
-            saved = state.mem[v, state.x[v]] - state.mem[v, : len(block.totals)]
-            for leaf in block.order[1:]:
-                saved = saved - state.mem[leaf, block.picks[leaf]] + state.mem[leaf, state.x[leaf]]
-            extra = block.totals - block.energy(state.x)
+            k = len(block.totals)
+            saved = state.mem[v, state.x[v]] - state.mem[v, :k]
+            for i, leaf in enumerate(block.order[1:].tolist(), start=1):
+                saved = saved - state.mem[leaf, block.picks[i, :k]] + state.mem[leaf, state.x[leaf]]
+            extra = block.totals - block.now
             rate = np.where(saved > 0, extra / np.where(saved > 0, saved, 1.0), np.inf)
             label = int(np.argmin(rate))
             if rate[label] < by_rate[0]:
@@ -382,3 +327,24 @@ def _colour_classes(adj: list[list[tuple[int, np.ndarray, bool]]]) -> list[np.nd
 
 def _late(deadline: float | None) -> bool:
     return deadline is not None and time.perf_counter() > deadline
+
+
+def _csr(mrf: Mrf) -> tuple[np.ndarray, ...]:
+    """The adjacency of ``LocalState.adj`` (each node's edges in edge order) as flat
+    arrays for ``kernels.tree_block``: (start per node, neighbour, edge, whether the
+    node indexes the edge's rows, where each table starts in ``mrf.flat``, each
+    table's columns)."""
+    a, b = mrf.edges[:, 0], mrf.edges[:, 1]
+    count = len(a)
+    node = np.concatenate([a, b])
+    edge = np.concatenate([np.arange(count), np.arange(count)])
+    order = np.lexsort((edge, node))
+    start = np.searchsorted(node[order], np.arange(mrf.num_nodes + 1))
+    return (
+        start.astype(np.int64),
+        np.concatenate([b, a])[order].astype(np.int64),
+        edge[order].astype(np.int64),
+        (np.arange(2 * count) < count)[order],
+        np.asarray(mrf.offset, dtype=np.int64),
+        mrf.columns,
+    )

@@ -149,7 +149,7 @@ class LPSolver:
         self, problem: Problem, x: np.ndarray, bound: float, start: float, status: str
     ) -> Solution:
         objective = problem.energy(x)
-        if not problem.is_feasible(x):
+        if not problem.is_feasible(x, energy=objective):
             raise RuntimeError(f"{self.name}: the plan violates the problem's constraints")
         lower = min(objective, bound)
         if objective - lower <= OPTIMAL_RTOL * max(abs(objective), 1.0):

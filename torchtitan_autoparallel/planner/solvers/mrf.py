@@ -50,7 +50,7 @@ class Mrf:
         return np.array([len(u) for u in self.unary], dtype=np.int64)
 
     @cached_property
-    def _columns(self) -> np.ndarray:
+    def columns(self) -> np.ndarray:
         return np.array([t.shape[1] for t in self.tables], dtype=np.int64)
 
     def energy(self, x: np.ndarray, unary: list[np.ndarray] | None = None) -> float:
@@ -59,7 +59,7 @@ class Mrf:
         total = float(sum(u[i] for u, i in zip(unary, x.tolist())))
         if len(self.edges):
             a, b = self.edges[:, 0], self.edges[:, 1]
-            total += float(self.flat[self.offset + x[a] * self._columns + x[b]].sum())
+            total += float(self.flat[self.offset + x[a] * self.columns + x[b]].sum())
         return total
 
     def memory_used(self, x: np.ndarray) -> float:

@@ -163,7 +163,7 @@ class PresolvingSolver:
             raise RuntimeError(
                 f"{self.name}: expanded plan costs {objective!r}, the reduced one {expected!r}"
             )
-        if not problem.is_feasible(assignment):
+        if not problem.is_feasible(assignment, energy=objective):
             raise RuntimeError(f"{self.name}: the expanded plan violates the problem's constraints")
         lower = objective
         if sub.status != "optimal":  # the reduced bound plus what was eliminated

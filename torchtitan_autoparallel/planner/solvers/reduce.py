@@ -23,6 +23,7 @@ only the nodes whose neighbourhood changed.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -124,15 +125,16 @@ class Graph:
             self._try_eliminate(v)
 
     def _drop(self, v: int, keep: np.ndarray) -> None:
+        if keep.all():
+            return
         if not keep.any():
             raise InfeasibleProblem(
                 "no plan satisfies the pins, ties and forbidden (inf) choices "
                 f"(presolve: nothing is left for {self.problem.node_names[v]})"
             )
-        if not keep.all():
-            self._restrict(v, keep)
-            self._normalise_memory(v)
-            self._push_neighbours(v)
+        self._restrict(v, keep)
+        self._normalise_memory(v)
+        self._push_neighbours(v)
 
     def _try_eliminate(self, v: int) -> bool:
         if len(self.domain[v]) == 1:
@@ -357,6 +359,9 @@ def beaten(margin: np.ndarray, memory: np.ndarray | None) -> np.ndarray:
 
 def _side_by_side(tables: list[np.ndarray], rows: int) -> tuple[np.ndarray, np.ndarray]:
     """The tables (``rows`` rows each) as one C-contiguous array, and where each starts."""
-    widths = [t.shape[1] for t in tables]
-    starts = np.concatenate([[0], np.cumsum(widths)]).astype(np.int64)
-    return np.ascontiguousarray(np.hstack(tables) if tables else np.zeros((rows, 0))), starts
+    starts = np.fromiter(
+        itertools.accumulate((t.shape[1] for t in tables), initial=0), np.int64, len(tables) + 1
+    )
+    if len(tables) == 1:
+        return np.ascontiguousarray(tables[0]), starts
+    return np.concatenate(tables, axis=1) if tables else np.zeros((rows, 0)), starts
