@@ -8,7 +8,7 @@ its diagonal joins the group's unary. The collapsed problem's energy of ``x``
 equals the original's energy of ``x[group_of]`` for every ``x``: the reduction
 is exact, and it is what makes a stack of repeated layers cost one layer.
 
-Node vectors are summed in one ``bincount`` and parallel tables accumulated in
+Node vectors are summed in one compiled pass and parallel tables accumulated in
 place, so collapsing stays cheap on graphs of tens of thousands of edges.
 """
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.solvers import kernels
 from torchtitan_autoparallel.planner.solvers.ilp_model import tie_components
 
 PAIRWISE_BLOCK = 128  # numpy's PW_BLOCKSIZE: its pairwise sum recurses above this
@@ -51,14 +52,10 @@ def _group_sums(
     parts: list[np.ndarray], k: np.ndarray, group_of: np.ndarray, kg: np.ndarray
 ) -> list[np.ndarray]:
     """Per group, the sum of its members' vectors (members added in node order)."""
-    kmax = int(k.max(initial=1))
-    out = np.zeros((len(kg), kmax))
+    out = np.zeros((len(kg), int(k.max(initial=1))))
     if len(k):
-        flat = np.concatenate(parts).astype(np.float64)
-        strategy = np.arange(len(flat)) - np.repeat(np.cumsum(k) - k, k)
-        slot = np.repeat(group_of, k) * kmax + strategy
-        # bincount adds in input order, as a per-node loop would: same floating-point sums
-        out = np.bincount(slot, weights=flat, minlength=out.size).reshape(out.shape)
+        flat = np.concatenate(parts, dtype=np.float64)
+        kernels.add_rows(out, flat, k, group_of)
     return [out[g, : kg[g]].copy() for g in range(len(kg))]
 
 
@@ -124,8 +121,8 @@ def _sum_parallel(
     about 100 distinct sums out of 230 slots."""
     # repeated layers share one table object (``problem.share_tables``): which
     # object, and which way round, says which terms are equal without reading them
-    ids = np.fromiter(map(id, pairwise), dtype=np.uint64, count=len(pairwise))
-    which = np.unique(ids, return_inverse=True)[1].reshape(-1).astype(np.int64)
+    # (the objects outlive this call, so their ids stay distinct; addresses fit 62 bits)
+    which = np.fromiter(map(id, pairwise), dtype=np.int64, count=len(pairwise))
     order = np.argsort(slot, kind="stable")  # edge order within a slot, as reduceat adds
     edges = outer[order]
     terms = _Terms(pairwise, edges, flip[edges], which[edges] * 2 + flip[edges])
@@ -136,8 +133,11 @@ def _sum_parallel(
         key = terms.ident[a:b].tobytes()
         table = sums.get(key)
         if table is None:
-            table = sums[key] = _reduceat_sum(terms[a:b])
+            # a lone table is only copied (what ``_reduceat_sum`` does, without the slicing)
+            lone = b - a == 1
+            table = np.array(terms.table(a), order="C") if lone else _reduceat_sum(terms[a:b])
             table.flags.writeable = False
+            sums[key] = table
         out.append(table)
     return out
 

@@ -316,6 +316,27 @@ def trws_sweep(
 
 
 @_jit
+def add_rows(out: np.ndarray, flat: np.ndarray, k: np.ndarray, row: np.ndarray) -> None:
+    """Add vector ``v`` (``k[v]`` entries of ``flat``, in order) into ``out[row[v]]``,
+    node after node: per row, the sum a loop over its members would make."""
+    at = 0
+    for v in range(len(k)):
+        r = row[v]
+        for s in range(k[v]):
+            out[r, s] += flat[at + s]
+        at += k[v]
+
+
+@_jit
+def picked_sum(flat: np.ndarray, starts: np.ndarray, x: np.ndarray) -> float:
+    """``sum_v flat[starts[v] + x[v]]``, added in node order as Python's ``sum`` does."""
+    total = 0.0
+    for v in range(len(x)):
+        total += flat[starts[v] + x[v]]
+    return total
+
+
+@_jit
 def _entry(flat: np.ndarray, graph: tuple, p: int, mine: int, theirs: int) -> float:
     """Adjacency entry ``p``'s table at (its node's label, the neighbour's label)."""
     e, start, cols = graph[2][p], graph[4], graph[5]
@@ -438,6 +459,8 @@ def warm_up() -> None:
     trws_sweep(np.zeros(0), np.zeros(1, np.int64), np.zeros(0), np.zeros(0), plan, plan,
                np.zeros(0, np.int64), np.zeros((0, 2)), 1.0)
     one = np.zeros(1, np.int64)
+    picked_sum(np.zeros(1), one, one)
+    add_rows(np.zeros((1, 1)), np.zeros(1), one + 1, one)
     graph = (np.zeros(2, np.int64), one[:0], one[:0], np.zeros(0, np.bool_), one[:0], one[:0])
     tree_block(np.zeros((1, 1)), np.zeros((1, 1)), one, one + 1, np.zeros(0), graph, 0, 1, 0.0)
     seconds = time.perf_counter() - start

@@ -20,6 +20,7 @@ from functools import cached_property
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.solvers import kernels
 
 BUDGET_RTOL = 1e-9  # float slack on the budget: sums of the same bytes in another order
 BIG_FACTOR = 1e6  # ``big`` is this many times the largest feasible energy
@@ -53,10 +54,19 @@ class Mrf:
     def columns(self) -> np.ndarray:
         return np.array([t.shape[1] for t in self.tables], dtype=np.int64)
 
-    def energy(self, x: np.ndarray, unary: list[np.ndarray] | None = None) -> float:
-        """Energy of a compact labeling; ``>= big`` means it uses a forbidden pair."""
-        unary = self.unary if unary is None else unary
-        total = float(sum(u[i] for u, i in zip(unary, x.tolist())))
+    @cached_property
+    def starts(self) -> np.ndarray:  # where each node's labels start in a flat unary
+        return np.concatenate([[0], np.cumsum(self.k)]).astype(np.int64)
+
+    @cached_property
+    def flat_unary(self) -> np.ndarray:
+        return np.concatenate(self.unary) if self.unary else np.zeros(0)
+
+    def energy(self, x: np.ndarray, unary: np.ndarray | None = None) -> float:
+        """Energy of a compact labeling; ``>= big`` means it uses a forbidden pair.
+        ``unary``: a flat unary (node ``v``'s from ``starts[v]``) to use instead of the own."""
+        flat = self.flat_unary if unary is None else unary
+        total = kernels.picked_sum(flat, self.starts, np.asarray(x, dtype=np.int64))
         if len(self.edges):
             a, b = self.edges[:, 0], self.edges[:, 1]
             total += float(self.flat[self.offset + x[a] * self.columns + x[b]].sum())

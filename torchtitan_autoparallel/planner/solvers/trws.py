@@ -63,7 +63,7 @@ class Trws:
         self.mrf = mrf
         n = mrf.num_nodes
         edges = mrf.edges.tolist()
-        self.starts = np.concatenate([[0], np.cumsum(mrf.k)]).astype(np.int64)
+        self.starts = mrf.starts
         # the message to b of edge e, then the one to a, back to back
         sizes = [int(mrf.k[node]) for a, b in edges for node in (b, a)]
         msg_at = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
@@ -98,8 +98,8 @@ class Trws:
         the energy and the bound stall (``_stalled``), or the deadline passes (one
         iteration at least). ``improve`` (local search; its flag: the final,
         thorough call) refines a new best labeling every few sweeps and at the end."""
-        best = _Best(self.mrf, unary, improve)
         flat = np.concatenate(unary) if unary else np.zeros(0)
+        best = _Best(self.mrf, flat, improve)
         bound, history = -math.inf, []
         it, timed_out = 0, False
         while it < max_iters:
@@ -170,7 +170,7 @@ class _Best:
     def __init__(
         self,
         mrf: Mrf,
-        unary: list[np.ndarray],
+        unary: np.ndarray,  # flat, as ``Mrf.energy`` takes it
         improve: Callable[[np.ndarray, bool], np.ndarray] | None,
     ) -> None:
         self.mrf, self.unary, self._improve = mrf, unary, improve
