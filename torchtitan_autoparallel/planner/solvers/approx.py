@@ -92,7 +92,7 @@ class ApproxSolver:
             self.name, mrf.num_nodes, len(mrf.edges), int(mrf.k.max(initial=0)),
             "binding" if mrf.memory is not None else "free",
         )
-        outcome = _optimise(mrf, deadline, self.gap)
+        outcome = search(mrf, deadline, self.gap)
         if outcome.labels is None:
             return self._exact(problem, start, time_limit, "no plan found that fits")
         assignment = reduced.expand(mrf.expand(outcome.labels))
@@ -137,7 +137,9 @@ def _status(objective: float, lower: float, timed_out: bool) -> str:
     return "time_limit" if timed_out else "feasible"
 
 
-def _optimise(mrf: Mrf, deadline: float | None, gap: float) -> _Outcome:
+def search(mrf: Mrf, deadline: float | None, gap: float) -> _Outcome:
+    """TRW-S and local search on a built ``Mrf``, under the Lagrangian price search
+    when its memory budget binds: the solver's work once the presolve is done."""
     trws = Trws(mrf)
     if mrf.memory is None:
         # cheap single-node moves on the way, block moves too at the end

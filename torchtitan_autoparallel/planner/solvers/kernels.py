@@ -450,11 +450,14 @@ def warm_up() -> None:
     in the middle of the first solve."""
     start = time.perf_counter()
     table = np.zeros((2, 2))
+    frozen = np.zeros((2, 2))
+    frozen.flags.writeable = False  # shared tables are read-only: another signature
     min_plus(table, table)
+    min_plus(table, frozen)
     starts = np.array([0, 2])
     dominated(np.zeros(2), table, starts, np.zeros(0), 1)
-    separable(table, 0.0)
-    separable(table.T, 0.0)
+    for t in (table, table.T, frozen, frozen.T):
+        separable(t, 0.0)
     plan = np.zeros((0, 5), dtype=np.int64)
     trws_sweep(np.zeros(0), np.zeros(1, np.int64), np.zeros(0), np.zeros(0), plan, plan,
                np.zeros(0, np.int64), np.zeros((0, 2)), 1.0)

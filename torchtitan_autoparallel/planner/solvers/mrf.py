@@ -66,7 +66,7 @@ class Mrf:
         """Energy of a compact labeling; ``>= big`` means it uses a forbidden pair.
         ``unary``: a flat unary (node ``v``'s from ``starts[v]``) to use instead of the own."""
         flat = self.flat_unary if unary is None else unary
-        total = kernels.picked_sum(flat, self.starts, np.asarray(x, dtype=np.int64))
+        total = kernels.picked_sum(flat, self.starts, np.ascontiguousarray(x, dtype=np.int64))
         if len(self.edges):
             a, b = self.edges[:, 0], self.edges[:, 1]
             total += float(self.flat[self.offset + x[a] * self.columns + x[b]].sum())

@@ -362,6 +362,7 @@ def _side_by_side(tables: list[np.ndarray], rows: int) -> tuple[np.ndarray, np.n
     starts = np.fromiter(
         itertools.accumulate((t.shape[1] for t in tables), initial=0), np.int64, len(tables) + 1
     )
-    if len(tables) == 1:
-        return np.ascontiguousarray(tables[0]), starts
-    return np.concatenate(tables, axis=1) if tables else np.zeros((rows, 0)), starts
+    side = np.empty((rows, int(starts[-1])))  # always a fresh C array: one kernel signature
+    if tables:
+        np.concatenate(tables, axis=1, out=side)
+    return side, starts
