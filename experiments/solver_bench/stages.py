@@ -74,8 +74,11 @@ def write_markdown(rows: list[dict], path: Path) -> None:
     lines = [
         "# Where approx's time goes",
         "",
-        f"Measured on {platform.node()} ({platform.machine()}, warm process, best of "
-        f"{rows[0]['repeats'] if rows else '-'} runs per stage; `stages.py`). Milliseconds.",
+        f"Measured on {platform.node()} ({platform.machine()}), each stage timed alone in "
+        f"one warm process, best of {rows[0]['repeats'] if rows else '-'} runs. Milliseconds. "
+        "Reproduce: `.venv/bin/python experiments/solver_bench/stages.py` (after `run.py` "
+        "has built the problems). The stages are listed in the script's docstring; `sum` "
+        "is their total, a warm solve's time (a fresh process adds a few ms).",
         "",
         "| case | " + " | ".join(STAGES) + " | sum | HiGHS / 30 |",
         "| --- |" + " --- |" * (len(STAGES) + 2),
