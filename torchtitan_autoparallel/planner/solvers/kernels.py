@@ -1,15 +1,21 @@
-"""Compiled inner loops of the presolve and of TRW-S (numba, cached on disk).
+"""Compiled inner loops of the presolve, TRW-S and local search (numba, cached on disk).
 
 numpy spends these loops building temporaries far larger than the answer
 (a ``(k_u, k_v, k_w)`` block for a min-plus product, a ``(k, k, width)`` one
 for dominance), which on the 3-D meshes (hundreds of strategies per node)
 made the shared presolve slower than the approximate solver itself. Compiled,
 each loop keeps one row of its output in cache and skips work as soon as the
-answer is known (an ``inf`` left operand, a pair already ruled out).
+answer is known (an ``inf`` left operand, a pair already ruled out). The
+local search's block moves and the small sums (tie groups, labelings) are
+here for the opposite reason: many tiny steps whose Python overhead outweighs
+their arithmetic. They add in the order of the Python they replace, so every
+result keeps its bits.
 
 ``cache=True`` writes the machine code next to this file (or to numba's user
 cache where that is read-only), so only the first run on a machine pays the
-compile (under 10 s, logged).
+compile (about 10 s, logged). numba compiles one version per argument type
+(read-only and transposed arrays are types of their own): ``warm_up`` makes
+every version a solve uses.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class Mrf:
 
     def energy(self, x: np.ndarray, unary: np.ndarray | None = None) -> float:
         """Energy of a compact labeling; ``>= big`` means it uses a forbidden pair.
-        ``unary``: a flat unary (node ``v``'s from ``starts[v]``) to use instead of the own."""
+        ``unary``: a flat unary (node ``v``'s from ``starts[v]``) to use instead of its own."""
         flat = self.flat_unary if unary is None else unary
         total = kernels.picked_sum(flat, self.starts, np.ascontiguousarray(x, dtype=np.int64))
         if len(self.edges):

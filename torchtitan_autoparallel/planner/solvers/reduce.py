@@ -125,7 +125,7 @@ class Graph:
             self._try_eliminate(v)
 
     def _drop(self, v: int, keep: np.ndarray) -> None:
-        if keep.all():
+        if len(keep) and keep.all():  # the common case first (an empty domain is no plan)
             return
         if not keep.any():
             raise InfeasibleProblem(
