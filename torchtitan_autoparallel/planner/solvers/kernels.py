@@ -353,7 +353,7 @@ def _entry(flat: np.ndarray, graph: tuple, p: int, mine: int, theirs: int) -> fl
 
 @_jit
 def _grow(x: np.ndarray, flat: np.ndarray, graph: tuple, root: int, depth: int):
-    """Breadth-first tree block around ``root`` (``local_search._propose``): each node's
+    """Breadth-first tree block around ``root`` (``local_search._block``): each node's
     neighbours costliest edge first (ties in adjacency order), a neighbour joining
     only if exactly one of its own neighbours is already in."""
     ptr, nbr = graph[0], graph[1]

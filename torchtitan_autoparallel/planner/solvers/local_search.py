@@ -42,7 +42,6 @@ class LocalState:
         for (a, b), t in zip(mrf.edges.tolist(), mrf.tables):
             self.adj[a].append((b, t, True))
             self.adj[b].append((a, t, False))
-        self.graph = _csr(mrf)
         self.classes = _colour_classes(self.adj)
         self.x = np.asarray(x, dtype=np.int64).copy()
         self.moves = 0
@@ -227,7 +226,7 @@ def _block(state: LocalState, root: int, depth: int, lam: float) -> _Block:
     mrf = state.mrf
     return _Block(
         *kernels.tree_block(
-            state.cost, state.mem, state.x, mrf.k, mrf.flat, state.graph, root, depth, lam
+            state.cost, state.mem, state.x, mrf.k, mrf.flat, mrf.adjacency, root, depth, lam
         )
     )
 
@@ -328,23 +327,3 @@ def _colour_classes(adj: list[list[tuple[int, np.ndarray, bool]]]) -> list[np.nd
 def _late(deadline: float | None) -> bool:
     return deadline is not None and time.perf_counter() > deadline
 
-
-def _csr(mrf: Mrf) -> tuple[np.ndarray, ...]:
-    """The adjacency of ``LocalState.adj`` (each node's edges in edge order) as flat
-    arrays for ``kernels.tree_block``: (start per node, neighbour, edge, whether the
-    node indexes the edge's rows, where each table starts in ``mrf.flat``, each
-    table's columns)."""
-    a, b = mrf.edges[:, 0], mrf.edges[:, 1]
-    count = len(a)
-    node = np.concatenate([a, b])
-    edge = np.concatenate([np.arange(count), np.arange(count)])
-    order = np.lexsort((edge, node))
-    start = np.searchsorted(node[order], np.arange(mrf.num_nodes + 1))
-    return (
-        start.astype(np.int64),
-        np.concatenate([b, a])[order].astype(np.int64),
-        edge[order].astype(np.int64),
-        (np.arange(2 * count) < count)[order],
-        np.asarray(mrf.offset, dtype=np.int64),
-        mrf.columns,
-    )

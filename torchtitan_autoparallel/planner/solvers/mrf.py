@@ -62,6 +62,26 @@ class Mrf:
     def flat_unary(self) -> np.ndarray:
         return np.concatenate(self.unary) if self.unary else np.zeros(0)
 
+    @cached_property
+    def adjacency(self) -> tuple[np.ndarray, ...]:
+        """Each node's edges in edge order, as flat arrays for ``kernels.tree_block``:
+        (start per node, neighbour, edge, whether the node indexes the edge's rows,
+        where each table starts in ``flat``, each table's columns)."""
+        a, b = self.edges[:, 0], self.edges[:, 1]
+        count = len(a)
+        node = np.concatenate([a, b])
+        edge = np.concatenate([np.arange(count), np.arange(count)])
+        order = np.lexsort((edge, node))
+        start = np.searchsorted(node[order], np.arange(self.num_nodes + 1))
+        return (
+            start.astype(np.int64),
+            np.concatenate([b, a])[order].astype(np.int64),
+            edge[order].astype(np.int64),
+            (np.arange(2 * count) < count)[order],
+            np.asarray(self.offset, dtype=np.int64),
+            self.columns,
+        )
+
     def energy(self, x: np.ndarray, unary: np.ndarray | None = None) -> float:
         """Energy of a compact labeling; ``>= big`` means it uses a forbidden pair.
         ``unary``: a flat unary (node ``v``'s from ``starts[v]``) to use instead of its own."""
