@@ -392,6 +392,43 @@ def test_separable_tables_are_recognised_in_either_layout() -> None:
     assert not separable(bumped, 1e-12)
 
 
+def test_scan_finds_the_separable_tables_and_the_usable_strategies() -> None:
+    """``kernels.scan`` (a node's first look in the presolve) agrees with its
+    definition: ``separable`` per table; usable means a finite unary, a finite
+    entry in each table's row, and finite memory within the limit."""
+    from torchtitan_autoparallel.planner.solvers.kernels import scan, separable
+
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        k = int(rng.integers(1, 7))
+        widths = rng.integers(1, 6, size=int(rng.integers(0, 4)))
+        tables = []
+        for w in widths:
+            if rng.random() < 0.4:  # a sum a[s] + b[t]
+                tables.append(rng.uniform(0, 9, (k, 1)) + rng.uniform(0, 9, (1, w)))
+            else:
+                t = rng.uniform(0, 9, (k, w))
+                t[rng.random(t.shape) < 0.3] = np.inf
+                tables.append(t)
+        unary = rng.uniform(0, 9, k)
+        unary[rng.random(k) < 0.2] = np.inf
+        memory = rng.uniform(0, 4, k) if trial % 2 else np.zeros(0)
+        if len(memory):
+            memory[rng.random(k) < 0.2] = np.inf
+        fixed, limit = 1.0, 1.0 + float(rng.uniform(0, 4))
+        starts = np.concatenate([[0], np.cumsum(widths)]).astype(np.int64)
+        side = np.concatenate(tables, axis=1) if tables else np.zeros((k, 0))
+        split, keep, any_split, all_kept = scan(unary, side, starts, 1e-12, memory, fixed, limit)
+        expected = np.isfinite(unary)
+        for t in tables:
+            expected &= np.isfinite(t).any(axis=1)
+        if len(memory):
+            expected &= np.isfinite(memory) & (fixed + memory <= limit)
+        np.testing.assert_array_equal(keep, expected)
+        np.testing.assert_array_equal(split, [separable(t, 1e-12) for t in tables])
+        assert any_split == split.any() and all_kept == expected.all()
+
+
 # --- wiring ------------------------------------------------------------------
 
 

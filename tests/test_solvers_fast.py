@@ -28,7 +28,7 @@ from torchtitan_autoparallel.planner.solvers import (
 )
 from torchtitan_autoparallel.planner.solvers import auto as auto_module
 from torchtitan_autoparallel.planner.solvers.ilp import _Run
-from torchtitan_autoparallel.planner.solvers.local_search import polish
+from torchtitan_autoparallel.planner.solvers.local_search import LocalState, polish
 from torchtitan_autoparallel.planner.solvers.lp import lp_bound, solve_lp
 from torchtitan_autoparallel.planner.solvers.mrf import build_mrf
 from torchtitan_autoparallel.planner.solvers.trws import Trws
@@ -111,7 +111,7 @@ def test_trws_bound_is_valid_at_every_iteration(iterations: int) -> None:
         if isinstance(best, InfeasibleProblem):
             continue
         mrf = build_mrf(problem)
-        run = Trws(mrf).run(mrf.unary, None, max_iters=iterations, gap=0.0)
+        run = Trws(mrf).run(mrf.flat_unary, None, max_iters=iterations, gap=0.0)
         assert run.bound <= best.objective + TOL
         assert run.energy >= best.objective - TOL
         assert run.iterations <= iterations
@@ -170,6 +170,32 @@ def test_local_search_only_lowers_the_energy_and_keeps_the_budget() -> None:
             assert mrf.fits(y) or not mrf.fits(x)
             if mrf.fits(x):
                 assert mrf.energy(y) <= mrf.energy(x) + TOL
+
+
+def test_local_search_costs_are_the_tables_at_the_neighbours_labels() -> None:
+    """``LocalState``'s cost table (compiled) holds, per node and label, the unary
+    plus each incident table's entry at the neighbour's label, summed neighbour by
+    neighbour in node order; moves keep it up to date."""
+    rng = np.random.default_rng(1)
+    mrf = build_mrf(random_problem(4100, inf_fraction=0.0))
+    state = LocalState(mrf, np.array([rng.integers(k) for k in mrf.k]))
+
+    ends = [(a, e, b, t) for e, ((a, b), t) in enumerate(zip(mrf.edges.tolist(), mrf.tables))]
+    ends += [(b, e, a, t.T) for a, e, b, t in ends]  # each edge seen from both of its nodes
+
+    def expected() -> np.ndarray:
+        cost = state.unary.copy()
+        for a, _, b, table in sorted(ends, key=lambda end: end[:2]):
+            cost[b, : table.shape[1]] += table[state.x[a]]
+        return cost
+
+    np.testing.assert_array_equal(state.cost, expected())
+    for _ in range(10):
+        v = int(rng.integers(mrf.num_nodes))
+        state.move(v, int(rng.integers(mrf.k[v])))
+    np.testing.assert_allclose(state.cost, expected(), rtol=1e-12)
+    state.refresh()
+    np.testing.assert_array_equal(state.cost, expected())
 
 
 def sparse_problem(seed: int, n: int = 60, chords: int = 10, memory: bool = False) -> Problem:

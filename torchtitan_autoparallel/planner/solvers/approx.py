@@ -144,7 +144,7 @@ def search(mrf: Mrf, deadline: float | None, gap: float) -> _Outcome:
     if mrf.memory is None:
         # cheap single-node moves on the way, block moves too at the end
         improve = lambda x, final: polish(mrf, x, deadline, blocks=final)  # noqa: E731
-        run = trws.run(mrf.unary, deadline, improve=improve, gap=gap)
+        run = trws.run(mrf.flat_unary, deadline, improve=improve, gap=gap)
         x = run.labels
         return _Outcome(x if mrf.feasible(x) else None, run.bound, run.timed_out)
     return _Lagrangian(mrf, trws, deadline, gap).search()
@@ -201,7 +201,7 @@ class _Lagrangian:
     def _attempt(self, lam: float) -> tuple[bool, float, float]:
         """TRW-S at price ``lam``; returns whether its plan fits, its energy and memory."""
         mrf = self.mrf
-        priced = [u + lam * m for u, m in zip(mrf.unary, mrf.memory)]
+        priced = mrf.flat_unary + lam * mrf.flat_memory
         run = self.trws.run(priced, self.deadline, gap=self.gap)
         self.timed_out |= run.timed_out
         self.bound = max(self.bound, run.bound - lam * mrf.budget)

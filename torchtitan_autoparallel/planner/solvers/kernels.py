@@ -220,22 +220,25 @@ def _send(
     link: np.ndarray,
     msg: np.ndarray,
     out: np.ndarray,
+    w: np.ndarray,
 ) -> None:
-    """``out[j] = min_s table(s, j) + gamma * th[s] - message[s]``."""
+    """``out[j] = min_s table(s, j) + w[s]``, ``w[s] = gamma * th[s] - message[s]``
+    (``w``: scratch of ``th``'s length). A minimum is exact in any order."""
     kv, ku, at, inbound = th.shape[0], out.shape[0], link[2], link[3]
+    for s in range(kv):
+        w[s] = gamma * th[s] - msg[inbound + s]
     out[:] = np.inf
     if link[5]:  # rows ours: a row at a time, the whole message updated per row
         for s in range(kv):
-            w = gamma * th[s] - msg[inbound + s]
             row = at + s * ku
             for j in range(ku):
-                out[j] = min(out[j], tables[row + j] + w)
+                out[j] = min(out[j], tables[row + j] + w[s])
     else:  # rows the neighbour's: each entry of the message is one row's minimum
         for j in range(ku):
             row = at + j * kv
             best = np.inf
             for s in range(kv):
-                best = min(best, tables[row + s] + (gamma * th[s] - msg[inbound + s]))
+                best = min(best, tables[row + s] + w[s])
             out[j] = best
 
 
@@ -257,6 +260,40 @@ def separable(table: np.ndarray, rtol: float) -> bool:
             if abs(table[i, j] - a - (table[0, j] - table[0, 0])) > limit:
                 return False
     return True
+
+
+@_jit
+def scan(
+    unary: np.ndarray, tables: np.ndarray, starts: np.ndarray, rtol: float,
+    memory: np.ndarray, fixed: float, limit: float,
+) -> tuple[np.ndarray, np.ndarray, bool, bool]:
+    """A node's first look in ``reduce.Graph._visit``, in one pass over its tables
+    (side by side, as ``dominated`` reads them): which are separable (``separable``'s
+    test on each), and which strategies are usable: a finite unary, a finite entry
+    in every table's row, and finite memory that, added to ``fixed``, stays within
+    ``limit`` (``memory`` empty: none to check). A separable table is finite
+    everywhere, so folding it first would change neither answer. Also whether any
+    table is separable and whether every strategy is usable (the common answers)."""
+    k, num_tables = unary.shape[0], starts.shape[0] - 1
+    split = np.empty(num_tables, dtype=np.bool_)
+    for e in range(num_tables):
+        split[e] = separable(tables[:, starts[e] : starts[e + 1]], rtol)
+    keep = np.empty(k, dtype=np.bool_)
+    check_memory = memory.shape[0] == k
+    for s in range(k):
+        ok = np.isfinite(unary[s])
+        for e in range(num_tables):
+            if not ok:
+                break
+            ok = False
+            for j in range(starts[e], starts[e + 1]):
+                if np.isfinite(tables[s, j]):
+                    ok = True
+                    break
+        if ok and check_memory:
+            ok = np.isfinite(memory[s]) and fixed + memory[s] <= limit
+        keep[s] = ok
+    return split, keep, split.any(), keep.all()
 
 
 @_jit
@@ -287,7 +324,7 @@ def trws_sweep(
     for v in range(n):
         kmax = max(kmax, starts[v + 1] - starts[v])
     x = np.zeros(n, dtype=np.int64)
-    th, score, out = np.empty(kmax), np.empty(kmax), np.empty(kmax)
+    th, score, out, w = np.empty(kmax), np.empty(kmax), np.empty(kmax), np.empty(kmax)
     bound = 0.0
     for i in range(n):
         v, in_lo, in_hi = plan[i, 0], plan[i, 1], plan[i, 2]
@@ -311,7 +348,7 @@ def trws_sweep(
             if links[p, 0]:
                 u = links[p, 1]
                 ku = starts[u + 1] - starts[u]
-                _send(th[:kv], gamma, tables, links[p], msg, out[:ku])
+                _send(th[:kv], gamma, tables, links[p], msg, out[:ku], w[:kv])
                 d = out[:ku].min()
                 bound += d
                 for j in range(ku):
@@ -331,6 +368,23 @@ def add_rows(out: np.ndarray, flat: np.ndarray, k: np.ndarray, row: np.ndarray) 
         for s in range(k[v]):
             out[r, s] += flat[at + s]
         at += k[v]
+
+
+@_jit
+def neighbour_costs(
+    unary: np.ndarray, x: np.ndarray, k: np.ndarray, flat: np.ndarray, graph: tuple
+) -> np.ndarray:
+    """``unary`` (nodes by labels) plus, for each node and label, its tables' entries
+    at the neighbours' labels ``x`` (``graph``: ``tree_block``'s adjacency): the
+    local search's cost table, added neighbour by neighbour in node order."""
+    ptr, nbr = graph[0], graph[1]
+    cost = unary.copy()
+    for v in range(len(x)):
+        for p in range(ptr[v], ptr[v + 1]):
+            z = nbr[p]
+            for j in range(k[z]):
+                cost[z, j] += _entry(flat, graph, p, x[v], j)
+    return cost
 
 
 @_jit
@@ -462,6 +516,7 @@ def warm_up() -> None:
     min_plus(table, frozen)
     starts = np.array([0, 2])
     dominated(np.zeros(2), table, starts, np.zeros(0), 1)
+    scan(np.zeros(2), table, starts, 0.0, np.zeros(0), 0.0, 1.0)
     for t in (table, table.T, frozen, frozen.T):
         separable(t, 0.0)
     plan = np.zeros((0, 5), dtype=np.int64)
@@ -472,6 +527,7 @@ def warm_up() -> None:
     add_rows(np.zeros((1, 1)), np.zeros(1), one + 1, one)
     graph = (np.zeros(2, np.int64), one[:0], one[:0], np.zeros(0, np.bool_), one[:0], one[:0])
     tree_block(np.zeros((1, 1)), np.zeros((1, 1)), one, one + 1, np.zeros(0), graph, 0, 1, 0.0)
+    neighbour_costs(np.zeros((1, 1)), one[:1] * 0, one, np.zeros(0), graph)
     seconds = time.perf_counter() - start
     if seconds > 1.0:
         LOG.info("compiled the solver kernels in %.1f s (cached for later runs)", seconds)

@@ -33,10 +33,9 @@ class LocalState:
         width = int(k.max(initial=1))
         self.unary = np.full((n, width), np.inf)
         self.mem = np.zeros((n, width))
-        for v, u in enumerate(mrf.unary):
-            self.unary[v, : len(u)] = u
-            if mrf.memory is not None:
-                self.mem[v, : len(u)] = mrf.memory[v]
+        self.unary[mrf.cells] = mrf.flat_unary
+        if mrf.memory is not None:
+            self.mem[mrf.cells] = mrf.flat_memory
         # neighbour, table, whether this node indexes the table's rows
         self.adj: list[list[tuple[int, np.ndarray, bool]]] = [[] for _ in range(n)]
         for (a, b), t in zip(mrf.edges.tolist(), mrf.tables):
@@ -52,12 +51,8 @@ class LocalState:
 
     def refresh(self) -> None:
         """Recompute the cost table, energy and memory from scratch (no drift)."""
-        cost = self.unary.copy()
-        for v, nbrs in enumerate(self.adj):
-            for z, t, rows in nbrs:
-                kz = t.shape[1] if rows else t.shape[0]
-                cost[z, :kz] += t[self.x[v]] if rows else t[:, self.x[v]]
-        self.cost = cost
+        mrf = self.mrf
+        self.cost = kernels.neighbour_costs(self.unary, self.x, mrf.k, mrf.flat, mrf.adjacency)
         self.energy = self.mrf.energy(self.x)
         self.memory = self.mrf.memory_used(self.x)
 

@@ -63,6 +63,16 @@ class Mrf:
         return np.concatenate(self.unary) if self.unary else np.zeros(0)
 
     @cached_property
+    def flat_memory(self) -> np.ndarray:  # memory laid out as ``flat_unary`` (needs memory)
+        return np.concatenate(self.memory) if self.memory else np.zeros(0)
+
+    @cached_property
+    def cells(self) -> tuple[np.ndarray, np.ndarray]:
+        """(node, label) of each entry of a flat unary: where it goes in a padded table."""
+        nodes = np.repeat(np.arange(self.num_nodes), self.k)
+        return nodes, np.arange(len(nodes)) - self.starts[nodes]
+
+    @cached_property
     def adjacency(self) -> tuple[np.ndarray, ...]:
         """Each node's edges in edge order, as flat arrays for ``kernels.tree_block``:
         (start per node, neighbour, edge, whether the node indexes the edge's rows,

@@ -37,6 +37,7 @@ BUDGET_RTOL = 1e-6  # the slack Problem.is_feasible grants the budget
 SEPARABLE_RTOL = 1e-12  # a table this close to a + b is folded (rounding only)
 DOMINANCE_MAX_WORK = 50_000_000  # k * k * neighbour strategies above which it is skipped
 DOMINANCE_PROBES = 16  # columns per table that rule out most pairs before the exact check
+_UNSCANNED = (-1, None, None)  # ``Graph._scanned`` when no node's tables are at hand
 
 
 @dataclass
@@ -81,6 +82,8 @@ class Graph:
         self.dominance = True
         self._queue: deque[int] = deque()
         self._queued = np.zeros(n, dtype=bool)
+        # (node, its tables side by side, where each starts) while they stay as scanned
+        self._scanned: tuple = _UNSCANNED
         for e, (u, v) in enumerate(problem.edges.tolist()):
             table = np.asarray(problem.pairwise[e], dtype=np.float64)
             if u == v:
@@ -115,8 +118,9 @@ class Graph:
                 return
 
     def _visit(self, v: int) -> None:
-        self._fold_separable(v)
-        self._drop(v, self._usable(v))
+        unusable = self._fold_separable(v)
+        if unusable is not None:
+            self._drop(v, unusable)
         if self._try_eliminate(v):
             return
         # dead-end elimination is the costly check: only for nodes that stay
@@ -173,17 +177,6 @@ class Graph:
 
     # --- dropping strategies -----------------------------------------------
 
-    def _usable(self, v: int) -> np.ndarray:
-        keep = np.isfinite(self.unary[v])
-        for table in self.adj[v].values():
-            keep &= np.isfinite(table).any(axis=1)
-        m = self.memory[v]
-        if m is not None:
-            keep &= np.isfinite(m)
-            if self.prune_memory:
-                keep &= self.fixed_memory + m <= self.budget * (1 + BUDGET_RTOL)
-        return keep
-
     def _dominated(self, v: int) -> np.ndarray:
         """Goldstein's dead-end elimination: ``s`` goes when some ``t`` is at least as
         good in every context of the neighbours, i.e.
@@ -198,19 +191,20 @@ class Graph:
         A few columns of each table (``kernels._probe_columns``) bound ``min_j`` from
         above, so most pairs are ruled out at a fraction of the cost; only the pairs
         that survive (about a tenth on the 3-D meshes) get the exact minimum."""
-        tables = list(self.adj[v].values())
         k = len(self.domain[v])
-        if k * k * sum(t.shape[1] for t in tables) > DOMINANCE_MAX_WORK:
+        if self._scanned[0] == v:
+            side = self._scanned[1:]
+        else:
+            side = _side_by_side(list(self.adj[v].values()), k)
+        if k * k * side[0].shape[1] > DOMINANCE_MAX_WORK:
             return np.zeros(k, dtype=bool)
         memory = self.memory[v]
         return kernels.dominated(
-            self.unary[v],
-            *_side_by_side(tables, k),
-            np.zeros(0) if memory is None else memory,
-            DOMINANCE_PROBES,
+            self.unary[v], *side, np.zeros(0) if memory is None else memory, DOMINANCE_PROBES
         )
 
     def _restrict(self, v: int, keep: np.ndarray) -> None:
+        self._scanned = _UNSCANNED
         self.domain[v] = self.domain[v][keep]
         self.unary[v] = self.unary[v][keep]
         if self.memory[v] is not None:
@@ -249,6 +243,7 @@ class Graph:
     # --- tables ------------------------------------------------------------
 
     def _set_table(self, u: int, v: int, table: np.ndarray) -> None:
+        self._scanned = _UNSCANNED
         self.adj[u][v] = table
         self.adj[v][u] = table.T
 
@@ -258,16 +253,30 @@ class Graph:
         self._set_table(u, v, table)
 
     def _drop_edge(self, u: int, v: int) -> None:
+        self._scanned = _UNSCANNED
         del self.adj[u][v]
         del self.adj[v][u]
 
-    def _fold_separable(self, v: int) -> None:
-        for u, t in list(self.adj[v].items()):
-            if self._energy_only_table(v, u) and kernels.separable(t, SEPARABLE_RTOL):
+    def _fold_separable(self, v: int) -> np.ndarray | None:
+        """Move ``v``'s separable tables into the unaries. Returns which of its
+        strategies are usable (``kernels.scan``; the folding changes none of them),
+        or None when all are."""
+        neighbours = list(self.adj[v].items())
+        side, starts = _side_by_side([t for _, t in neighbours], len(self.domain[v]))
+        m = self.memory[v]
+        limit = self.budget * (1 + BUDGET_RTOL) if self.prune_memory and m is not None else np.inf
+        split, usable, any_split, all_usable = kernels.scan(
+            self.unary[v], side, starts, SEPARABLE_RTOL,
+            np.zeros(0) if m is None else m, self.fixed_memory, limit,
+        )
+        self._scanned = (v, side, starts)  # until a table changes (``_set_table``)
+        for (u, t), fold in zip(neighbours, split.tolist() if any_split else ()):
+            if fold and self._energy_only_table(v, u):
                 self.unary[v] += t[:, 0]
                 self.unary[u] += t[0, :] - t[0, 0]
                 self._drop_edge(v, u)
                 self._push(u)
+        return None if all_usable else usable
 
     # --- eliminations --------------------------------------------------------
 

@@ -87,7 +87,7 @@ class Trws:
 
     def run(
         self,
-        unary: list[np.ndarray],
+        unary: np.ndarray,
         deadline: float | None,
         improve: Callable[[np.ndarray, bool], np.ndarray] | None = None,
         gap: float = GAP_RTOL,
@@ -96,9 +96,10 @@ class Trws:
     ) -> TrwsResult:
         """Sweep until the best labeling is within ``gap`` (relative) of the bound,
         the energy and the bound stall (``_stalled``), or the deadline passes (one
-        iteration at least). ``improve`` (local search; its flag: the final,
-        thorough call) refines a new best labeling every few sweeps and at the end."""
-        flat = np.concatenate(unary) if unary else np.zeros(0)
+        iteration at least). ``unary``: flat, node ``v``'s labels from ``Mrf.starts[v]``.
+        ``improve`` (local search; its flag: the final, thorough call) refines a new
+        best labeling every few sweeps and at the end."""
+        flat = np.asarray(unary, dtype=np.float64)
         best = _Best(self.mrf, flat, improve)
         bound, history = -math.inf, []
         it, timed_out = 0, False
