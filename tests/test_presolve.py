@@ -378,6 +378,21 @@ def test_min_plus_equals_the_block_min_and_argmin(shape: tuple[int, int, int]) -
             assert first_argmin_plus(left, right, i, j) == best[i, j]
 
 
+@pytest.mark.parametrize("copies", [1, 2, 7, 8, 9, 16, 63, 128, 129, 137, 160, 300])
+def test_repeated_tables_sum_as_reduceat_sums_them(copies: int) -> None:
+    """Parallel edges that repeat one table (stacked layers) are summed from the
+    count alone, with the very bits ``np.add.reduceat`` gives the stacked copies."""
+    from torchtitan_autoparallel.planner.solvers.collapse import _repeated_sum
+
+    x = np.random.default_rng(copies).uniform(0, 1e3, size=(5, 3)) / 7.0  # inexact sums
+    stacked = np.add.reduceat(np.stack([x] * copies), [0])[0]
+    got = _repeated_sum(x, copies, {})
+    assert got.tobytes() == stacked.tobytes()
+    memo: dict[int, np.ndarray] = {}
+    _repeated_sum(x, copies + 5, memo)  # partial sums left behind are reused correctly
+    assert _repeated_sum(x, copies, memo).tobytes() == stacked.tobytes()
+
+
 def test_separable_tables_are_recognised_in_either_layout() -> None:
     from torchtitan_autoparallel.planner.solvers.kernels import separable
 

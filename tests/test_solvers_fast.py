@@ -127,6 +127,36 @@ def _stall_point(bounds: list[float], energies: list[float], patience: int = 10)
     return None
 
 
+def test_trws_sweeps_visit_each_edge_once_behind_before_ahead() -> None:
+    """Each sweep's plan lists, per node in sweep order, its links to neighbours
+    already passed (in edge order) and then to those ahead (in edge order), with
+    the messages in and out of each edge's two ends, every message once."""
+    mrf = build_mrf(random_problem(4200, num_nodes=(12, 12)))
+    trws = Trws(mrf)
+    for plan, forward in ((trws.forward, True), (trws.backward, False)):
+        nodes = plan.steps[:, 0].tolist()
+        assert nodes == (sorted(nodes) if forward else sorted(nodes, reverse=True))
+        seen = []
+        for v, _, _, lo, hi in plan.steps.tolist():
+            links = plan.links[lo:hi]
+            flags = links[:, 0].tolist()
+            assert flags == sorted(flags)  # behind (0) first, then ahead (1)
+            for flag, u, at, into, out, rows in links.tolist():
+                assert (u > v) == (flag == 1) if forward else (u < v) == (flag == 1)
+                e = next(i for i, (a, b) in enumerate(mrf.edges.tolist())
+                         if {a, b} == {u, v} and mrf.offset[i] == at and (a == v) == bool(rows))
+                seen.append((e, v, into, out))
+            edge_order = [e for e, *_ in seen[len(seen) - len(links):]]
+            for flag in (0, 1):
+                group = [e for e, f in zip(edge_order, flags) if f == flag]
+                assert group == sorted(group)
+        assert sorted(e for e, *_ in seen) == sorted(list(range(len(mrf.edges))) * 2)
+        ends = {(e, v): (into, out) for e, v, into, out in seen}
+        for e, (a, b) in enumerate(mrf.edges.tolist()):
+            assert ends[e, a] == ends[e, b][::-1]  # one end's message in is the other's out
+        assert sorted(m for m, _ in ends.values()) == sorted(trws.incoming.tolist())
+
+
 def test_trws_stops_once_the_plan_settled_and_the_bound_only_creeps() -> None:
     sweeps = range(200)
     settled = [100.0] * 200

@@ -127,15 +127,23 @@ def _sum_parallel(
     edges = outer[order]
     terms = _Terms(pairwise, edges, flip[edges], which[edges] * 2 + flip[edges])
     bounds = np.searchsorted(slot[order], np.arange(count + 1))
+    # slots whose terms are all one table the same way round (nearly all of them)
+    repeats = np.ones(len(terms), dtype=bool)
+    repeats[1:] = terms.ident[1:] == terms.ident[:-1]
+    repeats[bounds[:-1]] = True
+    uniform = np.logical_and.reduceat(repeats, bounds[:-1]) if count else repeats[:0]
     sums: dict[bytes, np.ndarray] = {}
+    copies: dict[int, dict[int, np.ndarray]] = {}  # ident -> count -> sum of that many
     out = []
-    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+    for a, b, same in zip(bounds[:-1].tolist(), bounds[1:].tolist(), uniform.tolist()):
         key = terms.ident[a:b].tobytes()
         table = sums.get(key)
         if table is None:
-            # a lone table is only copied (what ``_reduceat_sum`` does, without the slicing)
-            lone = b - a == 1
-            table = np.array(terms.table(a), order="C") if lone else _reduceat_sum(terms[a:b])
+            if same:  # a lone table is only copied, as ``_reduceat_sum`` would
+                memo = copies.setdefault(int(terms.ident[a]), {})
+                table = _repeated_sum(np.asarray(terms.table(a), dtype=np.float64), b - a, memo)
+            else:
+                table = _reduceat_sum(terms[a:b])
             table.flags.writeable = False
             sums[key] = table
         out.append(table)
@@ -202,6 +210,42 @@ def _pairwise(terms: _Terms) -> np.ndarray:
     half = n // 2
     half -= half % 8
     return _pairwise(terms[:half]) + _pairwise(terms[half:])
+
+
+def _repeated_sum(x: np.ndarray, n: int, memo: dict[int, np.ndarray]) -> np.ndarray:
+    """``_reduceat_sum`` of ``n`` copies of ``x``, as a new C array: the same
+    additions, found from the count alone (``memo``: the pairwise sums of so many
+    copies made so far, shared by the slots that repeat the same table)."""
+    first = np.array(x, order="C")
+    if n > 1:
+        first += _copies(x, n - 1, memo)
+    return first
+
+
+def _copies(x: np.ndarray, n: int, memo: dict[int, np.ndarray]) -> np.ndarray:
+    """``_pairwise`` of ``n`` copies of ``x`` (never written after it is made)."""
+    if n in memo:
+        return memo[n]
+    if n < 8:
+        total = x + 0.0
+        for _ in range(n - 1):
+            total += x
+    elif n <= PAIRWISE_BLOCK:  # eight equal lanes, combined as a tree
+        done = n - n % 8
+        lane = np.array(x, order="C")
+        for _ in range(done // 8 - 1):
+            lane += x
+        pair = lane + lane
+        quad = pair + pair
+        total = quad + quad
+        for _ in range(n - done):
+            total += x
+    else:
+        half = n // 2
+        half -= half % 8
+        total = _copies(x, half, memo) + _copies(x, n - half, memo)
+    memo[n] = total
+    return total
 
 
 def _add_all(total: np.ndarray, terms: _Terms) -> np.ndarray:

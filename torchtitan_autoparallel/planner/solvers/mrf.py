@@ -133,50 +133,51 @@ def build_mrf(problem: Problem) -> Mrf:
     _prune(allowed, edges, finite, memory, cap)
     domains = [np.flatnonzero(a) for a in allowed]
     unary = [u[d] for u, d in zip(unary, domains)]
-    tables, finite = _restrict(tables, finite, edges, allowed, domains)
-    big = BIG_FACTOR * _scale(unary, tables, finite)
-    tables = [t if f is None else np.where(f, t, big) for t, f in zip(tables, finite)]
+    tables = _restrict(tables, edges, allowed, domains)
     kept_memory = None
     if memory is not None:
         rows = [m[d] for m, d in zip(memory, domains)]
         if sum(float(r.max()) for r in rows) > cap:  # else no plan can break the budget
             kept_memory = rows
     sizes = np.array([t.size for t in tables], dtype=np.int64)
-    offset = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    offset = np.cumsum(sizes) - sizes  # one start per edge
     flat = np.concatenate([t.ravel() for t in tables]) if tables else np.zeros(0)
+    allowed_pairs = np.isfinite(flat)
+    big = BIG_FACTOR * _scale(unary, flat, allowed_pairs, offset)
+    flat = np.where(allowed_pairs, flat, big)
+    tables = [flat[at : at + t.size].reshape(t.shape) for at, t in zip(offset.tolist(), tables)]
     return Mrf(domains, unary, edges, tables, kept_memory, cap, big, flat, offset)
 
 
 def _restrict(
     tables: list[np.ndarray],
-    finite: list[np.ndarray | None],
     edges: np.ndarray,
     allowed: list[np.ndarray],
     domains: list[np.ndarray],
-) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
-    """Tables (and finiteness masks) cut down to the labels kept."""
+) -> list[np.ndarray]:
+    """Tables cut down to the labels kept."""
     full = [bool(a.all()) for a in allowed]
-    out_t, out_f = [], []
-    for t, f, (a, b) in zip(tables, finite, edges.tolist()):
-        if not (full[a] and full[b]):
-            cut = np.ix_(domains[a], domains[b])
-            t = t[cut]
-            f = None if f is None or bool(f[cut].all()) else f[cut]
-        out_t.append(t)
-        out_f.append(f)
-    return out_t, out_f
+    out = []
+    for t, (a, b) in zip(tables, edges.tolist()):
+        out.append(t if full[a] and full[b] else t[np.ix_(domains[a], domains[b])])
+    return out
 
 
 def _scale(
-    unary: list[np.ndarray], tables: list[np.ndarray], finite: list[np.ndarray | None]
+    unary: list[np.ndarray], flat: np.ndarray, allowed: np.ndarray, offset: np.ndarray
 ) -> float:
-    """An upper bound on the magnitude of any feasible plan's energy."""
-    total = 1.0 + sum(float(max(u.max(), -u.min())) for u in unary if len(u))
-    for t, f in zip(tables, finite):
-        values = t if f is None else t[f]
-        if values.size:
-            total += float(max(values.max(), -values.min()))
-    return total
+    """An upper bound on the magnitude of any feasible plan's energy: the largest
+    magnitude of each unary, then of each table's allowed entries (``flat`` from
+    ``offset``), added one after another."""
+    # cumsum adds one after another, as the loop it replaces did: the same bits
+    total = 1.0
+    if unary:
+        starts = np.concatenate([[0], np.cumsum([len(u) for u in unary])[:-1]]).astype(np.int64)
+        total += np.cumsum(np.maximum.reduceat(np.abs(np.concatenate(unary)), starts))[-1]
+    if len(flat):
+        largest = np.maximum.reduceat(np.abs(np.where(allowed, flat, 0.0)), offset)
+        total = np.cumsum(np.concatenate([[total], largest[np.logical_or.reduceat(allowed, offset)]]))[-1]
+    return float(total)
 
 
 def _oriented_edges(

@@ -61,29 +61,14 @@ class Trws:
 
     def __init__(self, mrf: Mrf) -> None:
         self.mrf = mrf
-        n = mrf.num_nodes
-        edges = mrf.edges.tolist()
         self.starts = mrf.starts
-        # the message to b of edge e, then the one to a, back to back
-        sizes = [int(mrf.k[node]) for a, b in edges for node in (b, a)]
-        msg_at = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
-        self.msg = np.zeros(msg_at[-1])
-        earlier: list[list[tuple]] = [[] for _ in range(n)]
-        later: list[list[tuple]] = [[] for _ in range(n)]
-        incoming: list[list[int]] = [[] for _ in range(n)]  # in edge order: the sum's order
-        for e, (a, b) in enumerate(edges):
-            incoming[b].append(msg_at[2 * e])
-            incoming[a].append(msg_at[2 * e + 1])
-            at = int(mrf.offset[e])  # table (a, b): rows a's strategies
-            # (neighbour, table, message in, message out, rows ours)
-            later[a].append((b, at, msg_at[2 * e + 1], msg_at[2 * e], 1))
-            earlier[b].append((a, at, msg_at[2 * e], msg_at[2 * e + 1], 0))
-        self.incoming = np.array([p for ps in incoming for p in ps], dtype=np.int64)
-        n_fwd = np.array([len(ls) for ls in later])
-        n_bwd = np.array([len(ls) for ls in earlier])
-        chains = np.maximum(np.maximum(n_fwd, n_bwd), 1)
-        self.forward = _sweep_plan(range(n), later, earlier, chains, n_fwd)
-        self.backward = _sweep_plan(range(n - 1, -1, -1), earlier, later, chains, n_bwd)
+        ends = _Ends(mrf)
+        self.msg = np.zeros(int(ends.msg_end))
+        # per node, the messages into it in edge order: the order their sum takes
+        into = np.lexsort((ends.edge, ends.node))
+        self.incoming = ends.msg_in[into]
+        self.forward = _sweep_plan(ends, forward=True)
+        self.backward = _sweep_plan(ends, forward=False)
 
     def run(
         self,
@@ -137,32 +122,57 @@ class _SweepPlan:
     weights: np.ndarray  # (n, 2) gamma, share of the bound
 
 
-def _sweep_plan(
-    order: range,
-    ahead: list[list[tuple]],
-    behind: list[list[tuple]],
-    chains: np.ndarray,
-    n_ahead: np.ndarray,
-) -> _SweepPlan:
-    """The sweep visiting nodes in ``order``: per node its incoming messages (laid out
-    by node index in ``Trws.incoming``), its links to the neighbours ``behind`` it
-    (already labelled when it is reached) and ``ahead`` (sent messages), and its
-    weights (``1 / n_s`` and the share of chains that end at it)."""
-    steps, links, weights = [], [], []
-    in_at = np.concatenate([[0], np.cumsum([len(a) + len(b) for a, b in zip(ahead, behind)])])
-    in_at = in_at.tolist()
-    for v in order:
-        first = len(links)
-        # behind first, as the decoding adds their rows in this order
-        links += [(0, *link) for link in behind[v]]
-        links += [(1, *link) for link in ahead[v]]
-        steps.append((v, in_at[v], in_at[v + 1], first, len(links)))
-        weights.append((1.0 / chains[v], (chains[v] - n_ahead[v]) / chains[v]))
-    return _SweepPlan(
-        np.array(steps, dtype=np.int64).reshape(-1, 5),
-        np.array(links, dtype=np.int64).reshape(-1, 6),
-        np.array(weights, dtype=np.float64).reshape(-1, 2),
-    )
+class _Ends:
+    """Each edge seen from both of its nodes (first every edge from its lower node,
+    then from its higher one): the node, the neighbour, the edge, where the
+    messages into and out of the node sit in ``Trws.msg`` (the one to the higher
+    node of edge ``e``, then the one to its lower node, edge after edge), where
+    the table starts, and whether the node indexes its rows (the lower one does)."""
+
+    def __init__(self, mrf: Mrf) -> None:
+        low, high = mrf.edges[:, 0], mrf.edges[:, 1]
+        count = len(low)
+        sizes = np.stack([mrf.k[high], mrf.k[low]], axis=1).ravel()
+        msg_at = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        to_high, to_low = msg_at[:-1:2], msg_at[1::2]
+        self.msg_end = msg_at[-1]
+        self.node = np.concatenate([low, high])
+        self.other = np.concatenate([high, low])
+        self.edge = np.tile(np.arange(count, dtype=np.int64), 2)
+        self.msg_in = np.concatenate([to_low, to_high])
+        self.msg_out = np.concatenate([to_high, to_low])
+        self.table_at = np.tile(np.asarray(mrf.offset, dtype=np.int64), 2)
+        self.rows = np.repeat(np.array([1, 0], dtype=np.int64), count)
+        n = mrf.num_nodes
+        self.later = np.bincount(low, minlength=n)  # neighbours after the node
+        self.earlier = np.bincount(high, minlength=n)
+        self.chains = np.maximum(np.maximum(self.later, self.earlier), 1)
+
+
+def _sweep_plan(ends: _Ends, forward: bool) -> _SweepPlan:
+    """The sweep visiting nodes in index order (``forward``) or backwards: per node
+    its incoming messages (laid out by node in ``Trws.incoming``), then its links,
+    first to the neighbours behind it (labelled already when it is reached, in
+    edge order: the order decoding adds their rows), then to those ahead (sent
+    messages), and its weights (``1 / n_s`` and the share of chains ending at it)."""
+    n = len(ends.chains)
+    ahead_is_higher = ends.rows == 1  # ends whose neighbour comes later in index order
+    ahead = ahead_is_higher if forward else ~ahead_is_higher
+    position = ends.node if forward else n - 1 - ends.node
+    order = np.lexsort((ends.edge, ahead, position))
+    links = np.stack(
+        [ahead.astype(np.int64), ends.other, ends.table_at, ends.msg_in, ends.msg_out, ends.rows],
+        axis=1,
+    )[order]
+    nodes = np.arange(n, dtype=np.int64) if forward else np.arange(n - 1, -1, -1, dtype=np.int64)
+    degree = ends.later + ends.earlier
+    in_at = np.concatenate([[0], np.cumsum(degree)]).astype(np.int64)
+    link_at = np.concatenate([[0], np.cumsum(degree[nodes])]).astype(np.int64)
+    steps = np.stack([nodes, in_at[nodes], in_at[nodes + 1], link_at[:-1], link_at[1:]], axis=1)
+    n_ahead = (ends.later if forward else ends.earlier)[nodes]
+    chains = ends.chains[nodes]
+    weights = np.stack([1.0 / chains, (chains - n_ahead) / chains], axis=1)
+    return _SweepPlan(steps.reshape(-1, 5), links.reshape(-1, 6), weights.reshape(-1, 2))
 
 
 class _Best:
