@@ -105,7 +105,8 @@ class Mrf:
     def memory_used(self, x: np.ndarray) -> float:
         if self.memory is None:
             return 0.0
-        return float(sum(m[i] for m, i in zip(self.memory, x.tolist())))
+        x = np.ascontiguousarray(x, dtype=np.int64)
+        return kernels.picked_sum(self.flat_memory, self.starts, x)  # node by node, as sum() adds
 
     def fits(self, x: np.ndarray) -> bool:
         return self.memory is None or self.memory_used(x) <= self.budget
