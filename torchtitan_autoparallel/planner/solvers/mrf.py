@@ -177,7 +177,8 @@ def _scale(
         total += np.cumsum(np.maximum.reduceat(np.abs(np.concatenate(unary)), starts))[-1]
     if len(flat):
         largest = np.maximum.reduceat(np.abs(np.where(allowed, flat, 0.0)), offset)
-        total = np.cumsum(np.concatenate([[total], largest[np.logical_or.reduceat(allowed, offset)]]))[-1]
+        largest = largest[np.logical_or.reduceat(allowed, offset)]  # tables with an allowed pair
+        total = np.cumsum(np.concatenate([[total], largest]))[-1]
     return float(total)
 
 

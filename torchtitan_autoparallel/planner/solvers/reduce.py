@@ -118,9 +118,9 @@ class Graph:
                 return
 
     def _visit(self, v: int) -> None:
-        unusable = self._fold_separable(v)
-        if unusable is not None:
-            self._drop(v, unusable)
+        usable = self._fold_separable(v)
+        if usable is not None:
+            self._drop(v, usable)
         if self._try_eliminate(v):
             return
         # dead-end elimination is the costly check: only for nodes that stay
