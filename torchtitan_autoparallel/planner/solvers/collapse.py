@@ -141,7 +141,7 @@ def _sum_parallel(
         if table is None:
             if same:  # a lone table is only copied, as ``_reduceat_sum`` would
                 memo = copies.setdefault(int(terms.ident[a]), {})
-                table = _repeated_sum(np.asarray(terms.table(a), dtype=np.float64), b - a, memo)
+                table = _repeated_sum(terms.table(a), b - a, memo)
             else:
                 table = _reduceat_sum(terms[a:b])
             table.flags.writeable = False
