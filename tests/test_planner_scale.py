@@ -66,3 +66,19 @@ def test_deep_models_tie_their_outer_blocks_too(fake_world):
         share = sum(n in tied for n in choices) / len(choices)
         # the last block's extra ops (final norm, head) stay free; the rest align
         assert share > (0.85 if layer == depth - 1 else 0.99), (phase, layer, share)
+
+
+def test_free_nodes_do_not_grow_with_depth(fake_world):
+    """Every op of a repeated block is tied, its RoPE-table ops included (they read a
+    layer buffer, no parameter): two more blocks add no free node with a choice."""
+    from torchtitan_autoparallel.planner.repeats import TIE_OUTER_BLOCKS_FROM
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_shard", "tp"))
+
+    def free_choices(depth: int) -> int:
+        traced = trace_training_step(build_meta_model("llama3", "8B", depth), 8, 256)
+        table = enumerate_strategies(traced, mesh)
+        tied = {n for group in repeated_layer_ties(traced, table) for n in group}
+        return sum(len(ns.strategies) > 1 and n not in tied for n, ns in table.nodes.items())
+
+    assert free_choices(TIE_OUTER_BLOCKS_FROM + 2) == free_choices(TIE_OUTER_BLOCKS_FROM)

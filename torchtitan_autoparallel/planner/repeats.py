@@ -2,10 +2,11 @@
 
 The joint graph carries no module structure, so blocks are recovered from
 data flow: a forward node belongs to the deepest layer whose parameters it
-depends on, a backward node to the deepest layer whose gradients it feeds.
-Nodes of one (phase, layer) group, in graph order, line up position by
-position with those of another group when the two hold the same op sequence
-on the same shapes; such positions are tied. A block whose ops differ (the
+depends on (its buffers count: the ops reading a layer's RoPE table join
+it), a backward node to the deepest layer whose gradients it feeds. Nodes
+of one (phase, layer) group, in graph order, line up position by position
+with those of another group when the two hold the same op sequence on the
+same shapes; such positions are tied. A block whose ops differ (the
 last one also runs the final norm and the head) is aligned to the common
 block by its longest matching runs, so only the ops it does not share stay
 free. Shallow models keep their first and last blocks free altogether.
@@ -79,13 +80,18 @@ def _matching_positions(a: tuple, b: tuple) -> list[tuple[int, int]]:
 
 def _phase_layer_groups(traced: TracedStep, table: StrategyTable) -> dict[tuple[str, int], list[fx.Node]]:
     layer_of_param = {node: _layer(fqn) for fqn, node in traced.params.items()}
+    # A layer's own buffers (its RoPE table) place the ops that read them too:
+    # otherwise each layer's copy of that chain stays a free node of its own.
+    layer_of_input = {
+        **{node: _layer(fqn) for fqn, node in traced.buffers.items()}, **layer_of_param
+    }
     grad_layer = {traced.grads[fqn]: _layer(fqn) for fqn in traced.params}
     nodes = list(traced.graph.graph.nodes)
     # Deepest layer among ancestors (forward) and among gradient descendants (backward).
     up: dict[fx.Node, int] = {}
     for n in nodes:
         layers = [up.get(a, -1) for a in n.all_input_nodes]
-        up[n] = max([layer_of_param.get(n, -1), *layers])
+        up[n] = max([layer_of_input.get(n, -1), *layers])
     down: dict[fx.Node, int] = {}
     reaches_loss: dict[fx.Node, bool] = {}
     for n in reversed(nodes):
