@@ -2,14 +2,16 @@
 
 The joint graph carries no module structure, so blocks are recovered from
 data flow: a forward node belongs to the deepest layer whose parameters it
-depends on (its buffers count: the ops reading a layer's RoPE table join
-it), a backward node to the deepest layer whose gradients it feeds. Nodes
-of one (phase, layer) group, in graph order, line up position by position
-with those of another group when the two hold the same op sequence on the
-same shapes; such positions are tied. A block whose ops differ (the
-last one also runs the final norm and the head) is aligned to the common
-block by its longest matching runs, so only the ops it does not share stay
-free. Shallow models keep their first and last blocks free altogether.
+depends on (its buffers count, so each layer's RoPE table and the ops that
+read it join it), a backward node to the deepest layer whose gradients it
+feeds. Nodes of one (phase, layer) group, in graph order, line up position
+by position with those of another group when the two hold the same op
+sequence on the same shapes; such positions are tied (single-strategy ones
+too: each tie group is one node fewer for the presolve to visit). A block
+whose ops differ (the last one also runs the final norm and the head) is
+aligned to the common block by its longest matching runs, so only the ops it
+does not share stay free. Shallow models keep their first and last blocks
+free altogether.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def _align_blocks(blocks: list[list[fx.Node]], table: StrategyTable) -> list[lis
             pairs = _matching_positions(ref_sig, sig)
         for i, j in pairs:
             matched[i].append(nodes[j])
-    return [g for g in matched if len(g) > 1 and len(table.nodes[g[0]].strategies) > 1]
+    return [g for g in matched if len(g) > 1]
 
 
 def _matching_positions(a: tuple, b: tuple) -> list[tuple[int, int]]:
@@ -103,8 +105,8 @@ def _phase_layer_groups(traced: TracedStep, table: StrategyTable) -> dict[tuple[
         if n not in table.nodes:
             continue
         if n.op == "placeholder":
-            if n in layer_of_param and layer_of_param[n] >= 0:
-                groups[("param", layer_of_param[n])].append(n)
+            if layer_of_input.get(n, -1) >= 0:
+                groups[("param", layer_of_input[n])].append(n)
             continue
         phase, layer = ("fwd", up[n]) if reaches_loss[n] else ("bwd", down[n])
         if layer >= 0:
