@@ -116,6 +116,8 @@ def test_unknown_format_version_is_refused(tmp_path) -> None:
 def test_tie_components_of_disjoint_and_overlapping_groups() -> None:
     comp = tie_components(8, [[5, 1, 3], [2, 6]])
     assert comp.tolist() == [0, 5, 2, 5, 4, 5, 2, 7]
+    assert tie_components(8, [[], [5, 1, 3], [], [2, 6]]).tolist() == comp.tolist()
+    assert tie_components(3, []).tolist() == [0, 1, 2]
     merged = tie_components(6, [[0, 1], [1, 2], [4, 5]])  # 0, 1, 2 join through node 1
     assert merged[0] == merged[1] == merged[2] and merged[4] == merged[5]
     assert len(set(merged.tolist())) == 3

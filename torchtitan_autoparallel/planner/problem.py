@@ -67,7 +67,7 @@ class Problem:
 
     @property
     def num_strategies(self) -> np.ndarray:
-        return np.array([len(u) for u in self.unary], dtype=np.int64)
+        return np.fromiter(map(len, self.unary), dtype=np.int64, count=len(self.unary))
 
     def validate(self) -> None:
         n = self.num_nodes

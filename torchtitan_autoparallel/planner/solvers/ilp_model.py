@@ -19,6 +19,7 @@ into ``offset`` and add no column.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -160,14 +161,14 @@ def memory_message(budget: float, minimum: float) -> str:
 
 def tie_components(num_nodes: int, ties: list[list[int]]) -> np.ndarray:
     """Component label per node; overlapping tie groups merge (union-find)."""
-    groups = [g for g in ties if len(g)]
-    members = np.concatenate([np.asarray(g, dtype=np.int64) for g in groups]) if groups else None
-    if members is None or len(np.unique(members)) == len(members):
+    members = np.fromiter(itertools.chain.from_iterable(ties), dtype=np.int64)
+    if not len(members) or np.bincount(members, minlength=num_nodes).max() == 1:
         # disjoint groups (what the planner makes): each member's root is its
         # group's first node, as the union-find below would find, in one pass
+        sizes = np.fromiter(map(len, ties), dtype=np.int64, count=len(ties))
+        firsts = members[(np.cumsum(sizes) - sizes)[sizes > 0]]
         comp = np.arange(num_nodes, dtype=np.int64)
-        if groups:
-            comp[members] = np.repeat([g[0] for g in groups], [len(g) for g in groups])
+        comp[members] = np.repeat(firsts, sizes[sizes > 0])
         return comp
     parent = np.arange(num_nodes)
 
