@@ -191,6 +191,14 @@ def write_markdown(results: list[dict], path: Path) -> None:
     path.write_text("\n".join(header + rows + chosen) + "\n")
 
 
+def _figure(by_name: dict, case: str, what: str) -> str:
+    """A case's solve seconds or peak RSS (GiB) for the prose, '?' if it was not run."""
+    r = by_name.get(case)
+    if r is None:
+        return "?"
+    return f"{r['timings']['solve']:.1f}" if what == "solve" else f"{r['peak_rss_gib']:.2f}"
+
+
 def growth_table(results: list[dict]) -> list[str]:
     """Side by side: each stage's seconds and memory high-water mark as the depth grows."""
     by_name = {r["case"]: r for r in results if "timings" in r}
@@ -204,9 +212,13 @@ def growth_table(results: list[dict]) -> list[str]:
         "strategies and cost tables are reused. The 2-layer rows are the exception that proves",
         "the rule: with fewer than 8 blocks the first and last blocks stay free (`repeats.py`), so",
         "a 2-layer model has nothing tied and its solve is the largest of its column (qwen3-32B",
-        "on 8x8x8: 34.5 s for 2 layers, 15.1 s for all 64). Peak memory grows little with depth",
-        "(LLaMA3-70B on 8x8x8: 1.42 GiB at 8 layers, 1.59 GiB at 80; 3.09 GiB at 80 before edges",
-        "asking the same question shared one cost table, `problem.share_tables`).",
+        f"on 8x8x8: {_figure(by_name, 'qwen3-32B 2 layers 3-D 8x8x8', 'solve')} s for 2 layers, "
+        f"{_figure(by_name, 'qwen3-32B 64 layers 3-D 8x8x8', 'solve')} s for all 64).",
+        "Peak memory grows little with depth (LLaMA3-70B on 8x8x8: "
+        f"{_figure(by_name, 'llama3-70B 8 layers 3-D 8x8x8', 'rss')} GiB at 8 layers,",
+        f"{_figure(by_name, 'llama3-70B 80 layers 3-D 8x8x8', 'rss')} GiB at 80; 3.09 GiB at 80 "
+        "before edges asking the same question shared one cost table,",
+        "`problem.share_tables`).",
         "",
         "| model, mesh | layers | " + " | ".join(STAGES) + " | total s |",
         "| --- | --- | " + " | ".join("---" for _ in STAGES) + " | --- |",
