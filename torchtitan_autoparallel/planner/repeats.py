@@ -81,12 +81,10 @@ def _matching_positions(a: tuple, b: tuple) -> list[tuple[int, int]]:
 
 
 def _phase_layer_groups(traced: TracedStep, table: StrategyTable) -> dict[tuple[str, int], list[fx.Node]]:
-    layer_of_param = {node: _layer(fqn) for fqn, node in traced.params.items()}
-    # A layer's own buffers (its RoPE table) place the ops that read them too:
-    # otherwise each layer's copy of that chain stays a free node of its own.
-    layer_of_input = {
-        **{node: _layer(fqn) for fqn, node in traced.buffers.items()}, **layer_of_param
-    }
+    # A layer's own buffers (its RoPE table) place the ops that read them, as its
+    # parameters do: otherwise each layer's copy of that chain stays free.
+    inputs = [*traced.buffers.items(), *traced.params.items()]
+    layer_of_input = {node: _layer(fqn) for fqn, node in inputs}
     grad_layer = {traced.grads[fqn]: _layer(fqn) for fqn in traced.params}
     nodes = list(traced.graph.graph.nodes)
     # Deepest layer among ancestors (forward) and among gradient descendants (backward).

@@ -166,9 +166,9 @@ def tie_components(num_nodes: int, ties: list[list[int]]) -> np.ndarray:
         # disjoint groups (what the planner makes): each member's root is its
         # group's first node, as the union-find below would find, in one pass
         sizes = np.fromiter(map(len, ties), dtype=np.int64, count=len(ties))
-        firsts = members[(np.cumsum(sizes) - sizes)[sizes > 0]]
+        used = sizes > 0
         comp = np.arange(num_nodes, dtype=np.int64)
-        comp[members] = np.repeat(firsts, sizes[sizes > 0])
+        comp[members] = np.repeat(members[(np.cumsum(sizes) - sizes)[used]], sizes[used])
         return comp
     parent = np.arange(num_nodes)
 
