@@ -113,6 +113,21 @@ def test_unknown_format_version_is_refused(tmp_path) -> None:
         Problem.load(tmp_path / "v7.npz")
 
 
+def test_energy_is_the_running_sums_of_nodes_and_edges_bit_for_bit() -> None:
+    """``Problem.energy`` adds the unary terms in node order, the table entries in edge
+    order, then the two, as plain floats: the sum every objective is scored with."""
+    problem = stacked_layers(7, shared=True, seed=3)
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        x = rng.integers(0, problem.num_strategies)
+        nodes = edges = 0.0
+        for v, u in enumerate(problem.unary):
+            nodes += float(u[x[v]])
+        for (a, b), table in zip(problem.edges.tolist(), problem.pairwise):
+            edges += float(table[x[a], x[b]])
+        assert problem.energy(x) == nodes + edges  # inf where a forbidden pair is picked
+
+
 def test_tie_components_of_disjoint_and_overlapping_groups() -> None:
     comp = tie_components(8, [[5, 1, 3], [2, 6]])
     assert comp.tolist() == [0, 5, 2, 5, 4, 5, 2, 7]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
@@ -118,6 +119,10 @@ class Graph:
                 return
 
     def _visit(self, v: int) -> None:
+        # a chain link or leaf goes before its tables are scanned: eliminating it is
+        # exact whatever they hold, and it is most of the visits
+        if len(self.domain[v]) > 1 and self._try_eliminate(v):
+            return
         usable = self._fold_separable(v)
         if usable is not None:
             self._drop(v, usable)
@@ -132,13 +137,16 @@ class Graph:
         if len(keep) and keep.all():  # the common case first (an empty domain is no plan)
             return
         if not keep.any():
-            raise InfeasibleProblem(
-                "no plan satisfies the pins, ties and forbidden (inf) choices "
-                f"(presolve: nothing is left for {self.problem.node_names[v]})"
-            )
+            self._nothing_left(v)
         self._restrict(v, keep)
         self._normalise_memory(v)
         self._push_neighbours(v)
+
+    def _nothing_left(self, v: int) -> NoReturn:
+        raise InfeasibleProblem(
+            "no plan satisfies the pins, ties and forbidden (inf) choices "
+            f"(presolve: nothing is left for {self.problem.node_names[v]})"
+        )
 
     def _try_eliminate(self, v: int) -> bool:
         if len(self.domain[v]) == 1:
@@ -283,7 +291,7 @@ class Graph:
     def _remove(
         self, v: int, parents: tuple[int, ...], choice: np.ndarray | None, link=None
     ) -> None:
-        domains = tuple(self.domain[p].copy() for p in parents)
+        domains = tuple(self.domain[p] for p in parents)  # replaced, never written (``_restrict``)
         self.eliminations.append(Elimination(v, parents, domains, choice, link))
         for u in list(self.adj[v]):
             self._drop_edge(v, u)
@@ -300,6 +308,8 @@ class Graph:
 
     def _eliminate_isolated(self, v: int) -> None:
         best = int(np.argmin(self.unary[v]))
+        if self.unary[v][best] == np.inf:  # unscanned (``_visit``): nothing is usable
+            self._nothing_left(v)
         self.offset += float(self.unary[v][best])
         self._remove(v, (), self.domain[v][best].reshape(()))
 
@@ -318,7 +328,7 @@ class Graph:
         left = np.ascontiguousarray(self.adj[u][v] + self.unary[v][None, :])  # (k_u, k_v)
         right = np.ascontiguousarray(self.adj[v][w])
         self._add_table(u, w, kernels.min_plus(left, right))
-        self._remove(v, (u, w), None, (left, right, self.domain[v].copy()))
+        self._remove(v, (u, w), None, (left, right, self.domain[v]))
         return True
 
     # --- results -----------------------------------------------------------
