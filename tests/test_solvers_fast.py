@@ -27,6 +27,7 @@ from torchtitan_autoparallel.planner.solvers import (
     presolve,
 )
 from torchtitan_autoparallel.planner.solvers import auto as auto_module
+from torchtitan_autoparallel.planner.solvers.approx import search
 from torchtitan_autoparallel.planner.solvers.ilp import _Run
 from torchtitan_autoparallel.planner.solvers.local_search import LocalState, polish
 from torchtitan_autoparallel.planner.solvers.lp import lp_bound, solve_lp
@@ -339,6 +340,34 @@ def test_approx_respects_a_binding_budget(seed: int) -> None:
             assert_scored(problem, sol)
             assert best.objective - TOL <= sol.objective
             assert sol.lower_bound <= best.objective + TOL
+
+
+def test_price_search_stops_once_a_plan_that_fits_is_proven(monkeypatch) -> None:
+    """Every plan TRW-S meets is polished under the budget at once, so the search on
+    the memory price ends as soon as the best plan that fits is within the gap of
+    the certificate; without that slack it goes on bisecting."""
+    problem = random_problem(5002, memory=True)  # its unpriced optimum breaks this budget
+    problem.memory_budget = 1e30
+    free = BruteForceSolver().solve(problem)
+    problem.memory_budget = 0.5 * (_least_memory(problem) + problem.memory_used(free.assignment))
+    best = BruteForceSolver().solve(problem)
+    mrf = build_mrf(problem)
+    assert mrf.memory is not None
+    runs = []
+    run = Trws.run
+    monkeypatch.setattr(Trws, "run", lambda self, *a, **k: runs.append(1) or run(self, *a, **k))
+    outcomes = {}
+    for gap in (1.0, 0.0):
+        runs.clear()
+        out = search(mrf, None, gap)
+        energy = mrf.energy(out.labels)
+        assert mrf.feasible(out.labels)
+        assert out.bound <= best.objective + TOL <= energy + 2 * TOL
+        outcomes[gap] = (len(runs), energy, out.bound)
+    (runs_proven, energy, bound), (runs_exact, energy_exact, _) = outcomes[1.0], outcomes[0.0]
+    assert energy - bound <= 1.0 * max(abs(energy), abs(bound), 1.0)  # within its gap
+    assert runs_proven == 1 < runs_exact  # the first plan, repaired, was proof enough
+    assert energy_exact <= energy  # the longer search polished that first plan too
 
 
 @pytest.mark.parametrize("name", FAST)

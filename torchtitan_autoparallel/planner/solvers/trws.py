@@ -204,7 +204,12 @@ class _Best:
             self.x, self.energy = y, energy
 
     def within(self, bound: float, gap: float) -> bool:
-        return self.energy - bound <= gap * max(abs(self.energy), abs(bound), 1.0)
+        return within_gap(self.energy, bound, gap)
+
+
+def within_gap(energy: float, bound: float, gap: float) -> bool:
+    """Whether ``energy`` is proven within a relative ``gap`` of the optimum by ``bound``."""
+    return energy - bound <= gap * max(abs(energy), abs(bound), 1.0)
 
 
 def _stalled(
