@@ -207,8 +207,9 @@ class _Lagrangian:
         self.bound = max(self.bound, run.bound - lam * mrf.budget)
         x = run.labels
         energy, used = mrf.energy(x), mrf.memory_used(x)
-        if x.tobytes() not in self.seen:
-            self.seen.add(x.tobytes())
+        key = x.tobytes()
+        if key not in self.seen:
+            self.seen.add(key)
             self._offer(polish(mrf, x, self.deadline, lam))
         LOG.debug("lagrangian: lam %.3g, plan %.6g us, %.4g bytes", lam, energy, used)
         return used <= mrf.budget and energy < mrf.big, energy, used
