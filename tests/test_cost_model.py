@@ -19,10 +19,10 @@ from torchtitan_autoparallel.planner.cost_model import (
     parse_placements,
     placement_str,
     placements_str,
-    redistribute_cost_matrix,
     redistribute_steps,
     redistribute_time_us,
 )
+from torchtitan_autoparallel.planner.pricer import redistribute_cost_matrix
 from torchtitan_autoparallel.planner.profiles import (
     BUILTIN_PROFILES,
     HardwareProfile,
@@ -259,10 +259,10 @@ def test_matrix_pricer_equals_reference_search(mesh: tuple[int, ...]) -> None:
 def test_matrix_pricer_falls_back_when_codes_outgrow_a_digit(monkeypatch) -> None:
     # With 8 codes per digit, a 4-d tensor's placements soon overflow the
     # pricer's numbering; those pairs must go through the scalar search.
-    from torchtitan_autoparallel.planner import cost_model
+    from torchtitan_autoparallel.planner import cost_model, pricer
 
-    monkeypatch.setattr(cost_model, "_RADIX", 8)
-    cost_model.clear_caches()
+    monkeypatch.setattr(pricer, "RADIX", 8)
+    pricer.clear_caches()
     prof = load_profile("h100")
     rng = np.random.default_rng(7)
     mesh, shape = (2, 2, 2), (2, 4, 6, 10)
@@ -271,4 +271,4 @@ def test_matrix_pricer_falls_back_when_codes_outgrow_a_digit(monkeypatch) -> Non
     assert cost_model._time_cached.cache_info().currsize > 0  # the matrix did fall back
     want = np.array([[redistribute_time_us(shape, 4, s, d, mesh, prof) for d in dsts] for s in srcs])
     np.testing.assert_array_equal(mat, want)
-    cost_model.clear_caches()
+    pricer.clear_caches()

@@ -169,7 +169,8 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "Reproduce one row with the command listed under it in `results.json` (`command`), or all with",
         "`.venv/bin/python experiments/plan_bench/run.py`. `load` is the machine's 1-minute load average",
         "when the case started (2 cores: above 1, other work shared the CPU and the times are inflated).",
-        "`solve` includes loading the compiled solver kernels (`solvers/kernels.py`), about 0.25 s.",
+        "`build` includes numba's one-off start-up in the process (about 0.3 s), as the compiled",
+        "redistribution search (`planner/pricer.py`) is the first compiled code a planning run loads.",
         "",
     ]
     chosen = growth_table(results) + ["", "## What the planner chose, and why", "", NOTES, ""]
@@ -208,8 +209,9 @@ def growth_table(results: list[dict]) -> list[str]:
         "",
         "Each cell: stage seconds / the planner process' peak RSS (GiB) after that stage.",
         "Interior transformer blocks share one solution, so the solve barely grows with depth;",
-        "tracing and cost tables grow with the graph, at a per-layer rate that falls as memoised",
-        "strategies and cost tables are reused. The 2-layer rows are the exception that proves",
+        "strategies and cost tables are memoised (by value, then by object identity), so past the",
+        "first blocks they grow only with the node count, and tracing is what grows most with",
+        "depth. The 2-layer rows are the exception that proves",
         "the rule: with fewer than 8 blocks the first and last blocks stay free (`repeats.py`), so",
         "a 2-layer model has nothing tied and its solve is the largest of its column (qwen3-32B",
         f"on 8x8x8: {_figure(by_name, 'qwen3-32B 2 layers 3-D 8x8x8', 'solve')} s for 2 layers, "

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan_autoparallel.planner import pricer
 from torchtitan_autoparallel.planner.build import BuiltProblem, build_problem
 from torchtitan_autoparallel.planner.overlap import add_overlap_prediction, overlap_spec
 from torchtitan_autoparallel.planner.plan import Plan, plan_from_solution
@@ -127,6 +128,7 @@ def plan_stages(
         log.warning("ops replicated for lack of a sharding rule: %s", ", ".join(table.replicated_ops))
     lap("strategies")
     ties = repeated_layer_ties(traced, table)
+    pricer.warm_up()  # logs the one-off compile of the redistribution search
     built = build_problem(traced, table, profile, memory_budget_gib, ties)
     if export_problem:
         built.problem.save(export_problem)

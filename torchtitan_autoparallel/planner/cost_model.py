@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numpy as np
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
@@ -220,13 +219,18 @@ def _step_cost(kind: str, nbytes: float, n: int, link: Link | None) -> float:
     return 2.0 * wire if kind == "all_reduce" else wire
 
 
+def _supported(s: Code, t: Code) -> bool:
+    """Whether DTensor's redistribute turns one mesh dim's ``s`` into ``t``: not
+    Partial(a) -> Partial(b) for a != b, nor a shard -> any Partial but plain
+    Shard -> Partial(sum).  A detour through Replicate exists, but no sound
+    strategy needs one."""
+    return not (t[0] == "P" and s != t and s[0] != "R" and not (s[0] == "S" and t[1] == "sum"))
+
+
 def _check_supported(src: tuple[Code, ...], dst: tuple[Code, ...]) -> None:
-    """Reject what DTensor's redistribute raises on: Partial(a) -> Partial(b) for
-    a != b, and a shard -> any Partial but plain Shard -> Partial(sum).  A detour
-    through Replicate exists, but no sound strategy needs one."""
-    for s, t in zip(src, dst):
-        if t[0] == "P" and s != t and s[0] != "R" and not (s[0] == "S" and t[1] == "sum"):
-            raise ImpossibleRedistribute(f"cannot redistribute {_labels(src)} -> {_labels(dst)}")
+    """Raise on what DTensor's redistribute raises on (``_supported``)."""
+    if not all(map(_supported, src, dst)):
+        raise ImpossibleRedistribute(f"cannot redistribute {_labels(src)} -> {_labels(dst)}")
 
 
 def _options(src: Code, dst: Code, ndim: int) -> tuple[Code, ...]:
@@ -338,146 +342,10 @@ def redistribute_time_us(
     return _time_cached(shape_t, int(dtype_bytes), src_c, dst_c, mesh_t, profile)
 
 
-# Placement codes a _Pricer numbers per mesh dim; states are base-_RADIX ints.
-_RADIX = 64
-
-
-class _Pricer:
-    """Redistribution times of one (shape, dtype, mesh, profile), any placements.
-
-    ``_plan`` re-derives every move's bytes for every (src, dst) pair, and a
-    cost table asks for thousands of pairs of one shape (3-D meshes: hundreds
-    of thousands in all).  Here each (state, mesh dim, new placement) move is
-    priced once and shared by all pairs, and the search runs on int states.
-    It is the same Dijkstra over the same ``_options`` moves, and distances
-    add up left to right along the path as in ``_plan``, so every time equals
-    ``_time_cached``'s bit for bit (tests/test_cost_model.py checks this).
-    """
-
-    def __init__(self, shape: tuple[int, ...], dtype_bytes: int, mesh_shape: tuple[int, ...], profile: HardwareProfile):
-        self.shape, self.dtype_bytes, self.mesh_shape, self.profile = shape, dtype_bytes, mesh_shape, profile
-        self.links = mesh_dim_links(mesh_shape, profile)
-        self.powers = [_RADIX**i for i in range(len(mesh_shape))]
-        self.codes: list[Code] = []
-        self.number: dict[Code, int] = {}
-        self.options: dict[tuple[Code, Code], tuple[int, ...]] = {}  # (src, dst) of a mesh dim -> codes
-        self.moves: dict[int, float] = {}  # (state, mesh dim, new code) -> us; inf when impossible
-        self.times: dict[tuple[int, int], float] = {}
-
-    def _num(self, c: Code) -> int:
-        if c not in self.number:
-            self.number[c] = len(self.codes)
-            self.codes.append(c)
-        return self.number[c]
-
-    def encode(self, codes: tuple[Code, ...]) -> int | None:
-        """The state of ``codes``; None once the codes outgrow a digit."""
-        if len(self.codes) + len(codes) + len(self.shape) + 1 > _RADIX:
-            return None  # room for these codes, Replicate and every Shard of _options
-        return sum(self._num(c) * p for c, p in zip(codes, self.powers))
-
-    def time(self, src: tuple[Code, ...], start: int | None, dst: tuple[Code, ...], goal: int | None) -> float:
-        """``_time_cached(shape, dtype_bytes, src, dst, mesh_shape, profile)``; states from ``encode``."""
-        if start is None or goal is None:
-            return _time_cached(self.shape, self.dtype_bytes, src, dst, self.mesh_shape, self.profile)
-        if start == goal:
-            return 0.0
-        t = self.times.get((start, goal))
-        if t is None:
-            try:
-                _check_supported(src, dst)
-            except ImpossibleRedistribute:
-                t = math.inf
-            else:
-                t = self._search(start, goal, self._option_nums(src, dst))
-            self.times[start, goal] = t
-        return t
-
-    def _option_nums(self, src: tuple[Code, ...], dst: tuple[Code, ...]) -> list[tuple[int, ...]]:
-        opts = []
-        for s, t in zip(src, dst):
-            o = self.options.get((s, t))
-            if o is None:
-                o = self.options[s, t] = tuple(self._num(c) for c in _options(s, t, len(self.shape)))
-            opts.append(o)
-        return opts
-
-    def _move(self, key: int, state: int, i: int, new: int) -> float:
-        codes = tuple(self.codes[state // p % _RADIX] for p in self.powers)
-        move = _transition(self.shape, self.dtype_bytes, codes, i, self.codes[new], self.mesh_shape)
-        if move is None:
-            cost = math.inf
-        elif move[0] == "free":
-            cost = 0.0
-        else:
-            cost = _step_cost(move[0], move[1], self.mesh_shape[i], self.links[i])
-        self.moves[key] = cost
-        return cost
-
-    def _search(self, start: int, goal: int, opts: list[tuple[int, ...]]) -> float:
-        # Per-move prices are looked up inline: a cache of whole neighbour
-        # lists per (options, state) was tried and reused too little to pay.
-        moves, ndims = self.moves, len(self.powers)
-        dims = list(enumerate(zip(self.powers, opts)))
-        dist = {start: 0.0}
-        frontier = [(0.0, start)]
-        settled: set[int] = set()
-        while frontier:
-            cost, state = heapq.heappop(frontier)
-            if state == goal:
-                return cost
-            if state in settled:
-                continue
-            settled.add(state)
-            for i, (p, o) in dims:
-                cur = state // p % _RADIX
-                for new in o:
-                    nxt = state + (new - cur) * p
-                    if new == cur or nxt in settled:
-                        continue
-                    key = (state * ndims + i) * _RADIX + new
-                    w = moves.get(key)
-                    if w is None:
-                        w = self._move(key, state, i, new)
-                    total = cost + w
-                    if total < dist.get(nxt, math.inf):
-                        dist[nxt] = total
-                        heapq.heappush(frontier, (total, nxt))
-        return math.inf
-
-
-@lru_cache(maxsize=256)
-def _pricer(shape: tuple[int, ...], dtype_bytes: int, mesh_shape: tuple[int, ...], profile: HardwareProfile) -> _Pricer:
-    return _Pricer(shape, dtype_bytes, mesh_shape, profile)
-
-
-def redistribute_cost_matrix(
-    shape: tuple[int, ...],
-    dtype_bytes: int,
-    srcs: Sequence[tuple[Placement, ...]],
-    dsts: Sequence[tuple[Placement, ...]],
-    mesh_shape: tuple[int, ...],
-    profile: HardwareProfile,
-) -> np.ndarray:
-    """``out[a, b] = redistribute_time_us(..., srcs[a], dsts[b], ...)`` (float64)."""
-    shape_t, mesh_t = tuple(map(int, shape)), tuple(map(int, mesh_shape))
-    # Encode each row / column once; the pairs share one pricer for the shape.
-    src_cs = [_codes(p, shape_t, mesh_t) for p in srcs]
-    dst_cs = [_codes(p, shape_t, mesh_t) for p in dsts]
-    pricer = _pricer(shape_t, int(dtype_bytes), mesh_t, profile)
-    cols = [(dst, pricer.encode(dst)) for dst in dst_cs]
-    out = np.empty((len(srcs), len(dsts)), dtype=np.float64)
-    for a, src in enumerate(src_cs):
-        start = pricer.encode(src)
-        out[a] = [pricer.time(src, start, dst, goal) for dst, goal in cols]
-    return out
-
-
 def clear_caches() -> None:
     """Forget memoised plans (tests, or after monkeypatching a profile)."""
     _plan.cache_clear()
     _time_cached.cache_clear()
-    _pricer.cache_clear()
 
 
 _TOKEN = re.compile(r"SS\((-?\d+),(\d+)\)|S\((-?\d+)\)|P(?:\((\w+)\))?|R")

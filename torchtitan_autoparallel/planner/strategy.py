@@ -18,10 +18,11 @@ questions again and again.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,35 @@ class _Enumerator:
     replicated: set[str] = field(default_factory=set)
     # [autoparallel] strided_sharding: matmuls (and t) also take the inputs' strided shards.
     strided: bool = False
+    # Repeated layers reuse the same Strategy and placement objects (``cache``), so
+    # what derives from lists of them alone is memoised by the lists' identity, and
+    # each list made is canonical (one object per sequence of items), so that the
+    # next layer, fed the same objects, hits. An entry keeps its keys alive (an id
+    # is unique only while its object lives). Hashing torch placements by value
+    # took most of the enumeration on deep models.
+    by_id: dict[tuple, tuple] = field(default_factory=dict)
+
+    def by_identity(self, kind: object, lists: tuple[list, ...], make: Callable[[], list]) -> list:
+        """``make()``, memoised on ``kind`` and the identity of ``lists`` (never written)."""
+        key = (kind, *map(id, lists))
+        hit = self.by_id.get(key)
+        if hit is None:
+            hit = self.by_id[key] = (lists, self.canonical(make()))
+        return hit[1]
+
+    def canonical(self, items: list) -> list:
+        """The one list object of this sequence of item objects."""
+        key = ("canonical", *map(id, items))
+        hit = self.by_id.get(key)
+        if hit is None:
+            hit = self.by_id[key] = (items, items)
+        return hit[1]
+
+    def output_candidates(self, ns: NodeStrategies, idx: int) -> list[Placements]:
+        return self.by_identity(f"outputs{idx}", (ns.strategies,), lambda: _output_candidates(ns, idx))
+
+    def reachable(self, strategies: list[Strategy], candidates: list[list[Placements]]) -> list[Strategy]:
+        return self.by_identity("reachable", (strategies, *candidates), lambda: _reachable(strategies, candidates))
 
     # ------------------------------------------------------------------ nodes
 
@@ -96,24 +126,32 @@ class _Enumerator:
         op = node.target
         key = (op, signature(node.args), signature(node.kwargs), signature(node.meta["val"]))
         if our_rule(op) is None and _propagator_kind(op) == "torch" and len(candidates) == 1:
-            # A view follows its input: ask once per input candidate, so each
-            # answer is memoised alone and torch never prices every candidate
-            # against every other one.
-            merged: dict[Strategy, None] = {}
-            for cand in candidates[0]:
-                k = key + (cand,)
-                if k in self.cache:
-                    self.hits += 1
-                else:
-                    self.misses += 1
-                    self.cache[k] = self._follow_one(node, cand)
-                merged.update(dict.fromkeys(self.cache[k]))
-            if merged:
-                return list(merged), "follow"
-            return self._memo(key + ("replicate",), node, [[]])
+            known = self.by_id.get((key, id(candidates[0])))
+            if known is None:
+                answer = self._follow_each(node, key, candidates[0])
+                known = self.by_id[key, id(candidates[0])] = (candidates, answer)
+            else:
+                self.hits += 1
+            return known[1]
         if self._strided_op(op):
             key = key + strided_rules.memo_key(candidates)
         return self._memo(key, node, candidates)
+
+    def _follow_each(self, node: fx.Node, key: tuple, candidates: list[Placements]) -> tuple[list[Strategy], str]:
+        """A view follows its input: ask once per input candidate, so each answer is
+        memoised alone and torch never prices every candidate against every other one."""
+        merged: dict[Strategy, None] = {}
+        for cand in candidates:
+            k = key + (cand,)
+            if k in self.cache:
+                self.hits += 1
+            else:
+                self.misses += 1
+                self.cache[k] = self._follow_one(node, cand)
+            merged.update(dict.fromkeys(self.cache[k]))
+        if merged:
+            return self.canonical(list(merged)), "follow"
+        return self._memo(key + ("replicate",), node, [[]])
 
     def _strided_op(self, op: object) -> bool:
         return self.strided and op in strided_rules.STRIDED_OPS
@@ -240,11 +278,11 @@ def enumerate_strategies(
         elif node.op == "call_function" and _carries_tensor(node):
             args = [(a, 0) for a in _tensor_args(node)]
             if node.target is operator.getitem:
-                table[node] = _getitem(node, table)
+                table[node] = _getitem(node, table, en)
                 continue
-            cands = [_output_candidates(table[a], 0) for a, _ in args]
+            cands = [en.output_candidates(table[a], 0) for a, _ in args]
             strategies, source = en.for_op(node, cands)
-            table[node] = NodeStrategies(node, args, _reachable(strategies, cands), source)
+            table[node] = NodeStrategies(node, args, en.reachable(strategies, cands), source)
     log.info(
         "strategies: %d nodes, %d strategies, memo %d hits / %d misses, %d replicated ops",
         len(table),
@@ -360,6 +398,13 @@ def _placeholder_roles(traced: TracedStep) -> dict[fx.Node, str]:
 
 def _placeholder(node: fx.Node, role: str, mesh: MeshSpec) -> NodeStrategies:
     shape = tuple(node.meta["val"].shape)
+    return NodeStrategies(node, [], _placeholder_strategies(role, shape, mesh), role)
+
+
+@functools.lru_cache(maxsize=1024)
+def _placeholder_strategies(role: str, shape: tuple[int, ...], mesh: MeshSpec) -> list[Strategy]:
+    """One list (never written) per role and shape: the layers' same-shaped
+    parameters share it, and with it every memo keyed by identity downstream."""
     if role == "parameter":
         options = parameter_placements(shape, mesh)
     elif role == "input":
@@ -367,13 +412,14 @@ def _placeholder(node: fx.Node, role: str, mesh: MeshSpec) -> NodeStrategies:
     else:
         # Buffers (RoPE tables) are small constants every rank holds whole.
         options = [replicated(mesh)]
-    return NodeStrategies(node, [], [Strategy((p,), ()) for p in options], role)
+    return [Strategy((p,), ()) for p in options]
 
 
-def _getitem(node: fx.Node, table: dict[fx.Node, NodeStrategies]) -> NodeStrategies:
+def _getitem(node: fx.Node, table: dict[fx.Node, NodeStrategies], en: _Enumerator) -> NodeStrategies:
     parent, idx = node.args[0], node.args[1]
-    options = _output_candidates(table[parent], idx)
-    return NodeStrategies(node, [(parent, idx)], [Strategy((p,), (p,)) for p in options], "follow")
+    options = en.output_candidates(table[parent], idx)
+    strategies = en.by_identity("getitem", (options,), lambda: [Strategy((p,), (p,)) for p in options])
+    return NodeStrategies(node, [(parent, idx)], strategies, "follow")
 
 
 def _output_candidates(ns: NodeStrategies, idx: int) -> list[Placements]:
