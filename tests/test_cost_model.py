@@ -272,3 +272,36 @@ def test_matrix_pricer_falls_back_when_codes_outgrow_a_digit(monkeypatch) -> Non
     want = np.array([[redistribute_time_us(shape, 4, s, d, mesh, prof) for d in dsts] for s in srcs])
     np.testing.assert_array_equal(mat, want)
     pricer.clear_caches()
+
+
+def test_matrix_pricer_on_a_mesh_too_wide_to_memoise_pair_times() -> None:
+    # Six mesh dims make (start, goal) keys outgrow an int64, so the pricer keeps
+    # no table of pair times and searches every pair; the answers stay exact.
+    from torchtitan_autoparallel.planner import pricer
+
+    prof = load_profile("h100")
+    rng = np.random.default_rng(11)
+    mesh, shape = (2, 2, 1, 2, 1, 2), (8, 6, 4)
+    srcs, dsts = _random_placements(rng, 3, mesh, 6), _random_placements(rng, 3, mesh, 6)
+    mat = redistribute_cost_matrix(shape, 2, srcs, dsts, mesh, prof)
+    assert pricer.pricer(shape, 2, mesh, prof).times is None
+    want = np.array([[redistribute_time_us(shape, 2, s, d, mesh, prof) for d in dsts] for s in srcs])
+    np.testing.assert_array_equal(mat, want)
+
+
+def test_price_table_keeps_every_key_through_growth() -> None:
+    # The open-addressing table behind the pricer's move prices: thousands of
+    # keys (colliding on purpose: multiples of the capacity) survive each rehash.
+    from torchtitan_autoparallel.planner.pricer import _Prices, _slot
+
+    table = _Prices(capacity=4)
+    keys = [i * 4096 for i in range(3000)] + list(range(1, 3000, 7))
+    for k in keys:
+        table.put(k, k * 0.5)
+    table.put(keys[0], -1.0)  # a key set again is no new key
+    assert table.size == len(set(keys))
+    assert 2 * table.size <= len(table.keys)
+    for k in keys[1:]:
+        at = _slot(table.keys, k)
+        assert table.keys[at] == k and table.prices[at] == k * 0.5
+    assert table.prices[_slot(table.keys, keys[0])] == -1.0

@@ -194,7 +194,11 @@ def _work_buffers(ndims: int, width: int) -> tuple[np.ndarray, ...]:
 def _slot(keys, key):
     """Where ``key`` is in the table, or the free slot where it would go."""
     mask = len(keys) - 1  # the capacity is a power of two
-    at = (key * 2654435761) & mask  # wraps on overflow; the mask keeps it in range
+    # splitmix64's finaliser (arithmetic shifts, wrapping products): every bit of the
+    # key reaches the low bits the mask keeps; keys differ mostly in their high digits
+    x = (key ^ (key >> 30)) * -4658895280553007687
+    x = (x ^ (x >> 27)) * -7723592293110705685
+    at = (x ^ (x >> 31)) & mask
     while keys[at] != _EMPTY and keys[at] != key:
         at = (at + 1) & mask
     return at
