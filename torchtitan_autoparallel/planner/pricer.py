@@ -10,7 +10,8 @@ what the pairs of one shape have in common:
   numbering a placement code; each move (state, mesh dim, new code) is priced
   once per shape by ``cost_model``'s own rules and kept for every pair;
 * a whole table is filled by one compiled loop (``_fill``), which stops at
-  the first move not priced yet: Python prices it and the loop resumes at that
+  the first move not priced yet: Python prices it, with the other moves out of
+  the same state that search is about to relax, and the loop resumes at that
   pair. A shape has few moves (tens of thousands in all on LLaMA3-70B 8x8x8)
   next to its pairs, so the loop rarely stops.
 
@@ -99,6 +100,7 @@ class Pricer:
         self.shards = np.array([self._num(("S", d)) for d in range(len(shape))], dtype=np.int64)
         self.supported = np.zeros((0, 0), dtype=np.bool_)  # [s, t]: one mesh dim's s -> t
         self.moves = _Prices()
+        self.priced: set[int] = set()  # the keys in ``moves``, for Python's look-ups
         # (start, goal) -> time, keyed start * states + goal while that fits an int64
         self.states = RADIX ** len(mesh_shape)
         self.times = _Prices() if self.states < 2**31 else None
@@ -153,7 +155,23 @@ class Pricer:
             times.size += added
             if key == _EMPTY:
                 return
-            self._price(key)
+            a, b = divmod(at, out.shape[1])
+            self._price_state(key // self.radix // len(self.powers), int(starts[a]), int(goals[b]))
+
+    def _price_state(self, state: int, start: int, goal: int) -> None:
+        """Price every move out of ``state`` that the search from ``start`` to ``goal``
+        may take: it stopped at one of them while expanding the state, and it relaxes
+        them all there (but those to states it settled), so one stop, not several."""
+        for i, power in enumerate(self.powers.tolist()):
+            cur = state // power % self.radix
+            dst = goal // power % self.radix
+            options = {start // power % self.radix, dst, self.replicate}
+            if dst == self.partial_sum:
+                options.update(self.shards.tolist())
+            for new in options - {cur}:
+                key = (state * len(self.powers) + i) * self.radix + new
+                if key not in self.priced:
+                    self._price(key)
 
     def _price(self, key: int) -> None:
         """Price the move ``key`` names (``_search``'s numbering) by cost_model's rules."""
@@ -168,6 +186,7 @@ class Pricer:
         else:
             cost = _step_cost(move[0], move[1], self.mesh_shape[i], self.links[i])
         self.moves.put(key, cost)
+        self.priced.add(key)
 
 
 def _work_buffers(ndims: int, width: int) -> tuple[np.ndarray, ...]:
