@@ -36,6 +36,7 @@ from torchtitan_autoparallel.planner import cost_model
 from torchtitan_autoparallel.planner.cost_model import (
     Code,
     _codes,
+    _options,
     _step_cost,
     _supported,
     _time_cached,
@@ -137,7 +138,7 @@ class Pricer:
         if self.supported.shape[0] < n:
             self.supported = np.array(
                 [[_supported(s, t) for t in self.codes] for s in self.codes], dtype=np.bool_
-            ).reshape(n, n)
+            )
 
     def _fill(self, out: np.ndarray, todo: np.ndarray, starts: np.ndarray, goals: np.ndarray) -> None:
         """Search the ``todo`` pairs, pricing each move a search asks for as it asks."""
@@ -164,13 +165,11 @@ class Pricer:
         them all there (but those to states it settled), so one stop, not several."""
         for i, power in enumerate(self.powers.tolist()):
             cur = state // power % self.radix
-            dst = goal // power % self.radix
-            options = {start // power % self.radix, dst, self.replicate}
-            if dst == self.partial_sum:
-                options.update(self.shards.tolist())
-            for new in options - {cur}:
+            src, dst = (self.codes[end // power % self.radix] for end in (start, goal))
+            for code in _options(src, dst, len(self.shape)):
+                new = self.number[code]
                 key = (state * len(self.powers) + i) * self.radix + new
-                if key not in self.priced:
+                if new != cur and key not in self.priced:
                     self._price(key)
 
     def _price(self, key: int) -> None:
@@ -189,10 +188,12 @@ class Pricer:
         self.priced.add(key)
 
 
+@lru_cache(maxsize=16)
 def _work_buffers(ndims: int, width: int) -> tuple[np.ndarray, ...]:
     """A search's scratch arrays (``_search``): per mesh dim up to ``width`` options
     (its two ends, Replicate and every Shard), so up to ``width ** ndims`` states,
-    each relaxing every other option of every dim once at most."""
+    each relaxing every other option of every dim once at most. Shared by every
+    pricer of that size (one search runs at a time), not made per shape."""
     states = width**ndims
     pushes = states * ndims * width + 1
     return (
