@@ -33,10 +33,10 @@ class Run:
     def tail(self, lines: int = 40) -> str:
         out = "\n".join(self.stdout.splitlines()[-lines:])
         err_lines = self.stderr.splitlines()
-        # torchrun ends with its own ChildFailedError traceback, which hides the
-        # rank's: show the ranks' last lines first, then torchrun's summary.
+        # a failed job ends in the launcher's report, after the ranks' output:
+        # show the ranks' last lines first, then the launcher's
         rank_lines = [x for x in err_lines if x.startswith("[rank")]
-        if "ChildFailedError" in self.stderr and rank_lines:
+        if self.returncode != 0 and rank_lines:
             err_lines = rank_lines[-lines:] + ["..."] + [x for x in err_lines if not x.startswith("[rank")][-12:]
         err = "\n".join(err_lines[-lines - 13:])
         return (

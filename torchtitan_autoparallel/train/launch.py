@@ -15,12 +15,14 @@ process, playing rank 0 of NGPU ranks on a fake process group.
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import sys
 
 from torchtitan_autoparallel.config import load_config
 from torchtitan_autoparallel.errors import ConfigError, UserError
+from torchtitan_autoparallel.train import failures
 from torchtitan_autoparallel.train.preflight import check, parse_ngpu
 
 CPU_DEFAULT_RANKS = 4
@@ -46,9 +48,22 @@ def main(argv: list[str]) -> int:
         sys.argv = [module, *module_args]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return 0  # the module exits itself; reached only if it returns
-    from torch.distributed.run import main as torchrun
+    return _torchrun(["--nproc-per-node", str(ngpu), *torchrun_args, "-m", module, *module_args])
 
-    torchrun(["--nproc-per-node", str(ngpu), *torchrun_args, "-m", module, *module_args])
+
+def _torchrun(args: list[str]) -> int:
+    """torchrun's ``main``; a failed rank ends in one ``error:`` line (``failures.py``)
+    instead of torchrun's traceback and per-rank report."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run  # its ``main`` less its ``record``
+
+    os.environ[failures.LAUNCHER_ENV] = "1"
+    # its "closing signal SIGTERM" and "failed (exitcode: ...)" lines: the report says it
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(args))
+    except ChildFailedError as e:
+        return failures.report(e, failures.shown_ranks(args))
     return 0
 
 

@@ -15,6 +15,7 @@ from torchtitan_autoparallel.distributed.runtime import Runtime, exit_process, i
 from torchtitan_autoparallel.errors import UserError
 from torchtitan_autoparallel.models.registry import build_model_config, get_entry
 from torchtitan_autoparallel.train import checkpoint
+from torchtitan_autoparallel.train.failures import USER_ERROR_EXIT, record_user_error
 from torchtitan_autoparallel.train.optim import build_lr_scheduler
 from torchtitan_autoparallel.train.setup import (
     Training,
@@ -33,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         job = load_config(sys.argv[1:] if argv is None else argv)
         return run(job)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        record_user_error(str(e))
+        return USER_ERROR_EXIT
     finally:
         shutdown()
 
@@ -113,4 +114,8 @@ def train(job: JobConfig, t: Training) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    # a crash's traceback goes to torchrun's error file too: the launcher shows it
+    # when LOG_RANK hides this rank (``failures.py``)
+    exit_process(record(main)())

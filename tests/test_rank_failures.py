@@ -1,0 +1,130 @@
+"""A rank that fails after the launch: one ``error:`` line from the launcher, the
+rank's exit status, and no torchrun traceback (``train/failures.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from _failing_rank import BAD_INPUT
+from _run import PYTHON, REPO, run_launcher
+
+from torchtitan_autoparallel.train import failures
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _launch(how: str, log_rank: str) -> subprocess.CompletedProcess:
+    """Two ranks of ``_failing_rank`` through our launcher, as ``run_train.sh`` starts them."""
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [str(PYTHON), "-m", "torchtitan_autoparallel.train.launch", "--ngpu", "2", "--standalone",
+           "--local-ranks-filter", log_rank, "--role", "rank", "--tee", "3", "--",
+           "-m", "_failing_rank", how]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "error:" in line]
+
+
+def test_bad_input_on_a_hidden_rank_is_the_launchers_one_line() -> None:
+    run = _launch("user", log_rank="0")  # rank 1 fails; its output is not shown
+    assert run.returncode == failures.USER_ERROR_EXIT, run.stderr
+    assert "Traceback" not in run.stdout + run.stderr, run.stderr
+    assert _error_lines(run.stdout + run.stderr) == [f"error: {BAD_INPUT}"], run.stderr
+    assert run.stderr.rstrip().splitlines()[-1] == f"error: {BAD_INPUT}"
+
+
+def test_crash_on_a_hidden_rank_shows_its_traceback_and_names_it() -> None:
+    run = _launch("crash", log_rank="0")
+    assert run.returncode == 1, run.stderr
+    last = run.stderr.rstrip().splitlines()[-1]
+    assert last == (
+        "error: rank 1 failed with exit status 1: RuntimeError: boom on rank 1 "
+        "(its output is hidden: LOG_RANK=1 shows it)"
+    ), run.stderr
+    # the rank's own traceback, read back from its error file, not torchrun's
+    assert "rank 1's traceback (its output is not shown):" in run.stderr
+    assert 'raise RuntimeError("boom on rank 1")' in run.stderr
+    assert "ChildFailedError" not in run.stderr and "closing signal" not in run.stderr
+
+
+def test_crash_on_a_shown_rank_is_not_repeated() -> None:
+    run = _launch("crash", log_rank="1")
+    assert run.returncode == 1, run.stderr
+    assert "its output is not shown" not in run.stderr  # the rank printed its traceback
+    assert "[rank1]:RuntimeError: boom on rank 1" in run.stderr
+    assert run.stderr.rstrip().splitlines()[-1] == (
+        "error: rank 1 failed with exit status 1: RuntimeError: boom on rank 1"
+    )
+
+
+@pytest.mark.multirank
+def test_infeasible_budget_on_real_ranks_is_one_error_line(tmp_path: Path) -> None:
+    """Found while planning, after torchrun started the ranks (the fake-backend
+    run of ``test_auto_plan`` never reaches torchrun)."""
+    run = run_launcher(
+        ["--model.name", "llama3_auto_parallel", "--job.dump_folder", tmp_path / "out",
+         "--autoparallel.memory_budget_gib", "0.0001"],
+        ngpu=2, timeout=300,
+    )
+    assert run.returncode == failures.USER_ERROR_EXIT, run.tail()
+    assert "Traceback" not in run.stdout + run.stderr, run.tail()
+    errors = _error_lines(run.stdout + run.stderr)
+    assert len(errors) == 1 and errors[0].startswith("error: "), run.tail()
+    assert "memory_budget_gib = 0.0001" in errors[0], errors[0]
+    assert "smallest feasible budget is" in errors[0], errors[0]
+    assert run.stderr.rstrip().splitlines()[-1] == errors[0]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def _failure(tmp_path: Path, rank: int, exitcode: int, record: dict | None) -> ProcessFailure:
+    path = tmp_path / f"error-{rank}.json"
+    if record is not None:
+        path.write_text(json.dumps(record))
+    return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_root_cause_is_not_a_rank_the_agent_stopped(tmp_path: Path) -> None:
+    stopped = _failure(tmp_path, 0, -15, None)  # SIGTERM from the agent, in the same second
+    failed = _failure(tmp_path, 1, 2, {"message": "bad", "timestamp": 0})
+    failed.timestamp = stopped.timestamp  # error files hold whole seconds: a tie
+    assert failures.root_cause({0: stopped, 1: failed}) == (1, failed)
+    # a rank killed with nothing else failing (say, out of memory) is the root cause
+    killed = _failure(tmp_path, 0, -9, None)
+    assert failures.root_cause({0: killed}) == (0, killed)
+    assert failures.describe(0, killed, hidden=False) == "rank 0 was killed by SIGKILL"
+
+
+def test_exit_2_without_a_message_is_named_as_a_failure(tmp_path: Path, capsys) -> None:
+    class Failed:  # what torchrun raises: the failed ranks by global rank
+        failures = {3: _failure(tmp_path, 3, 2, None)}
+
+    assert failures.report(Failed(), shown_ranks={0}) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: rank 3 failed with exit status 2 (its output is hidden: LOG_RANK=3 shows it)"
+
+
+@pytest.mark.parametrize(
+    "args,shown",
+    [([], None), (["--local-ranks-filter", "0"], {0}), (["--local-ranks-filter=0,2"], {0, 2})],
+)
+def test_shown_ranks(args: list[str], shown: set[int] | None) -> None:
+    assert failures.shown_ranks(["--standalone", *args, "-m", "x"]) == shown
+
+
+def test_a_rank_without_our_launcher_prints_its_error(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv(failures.ERROR_FILE_ENV, str(tmp_path / "error.json"))
+    monkeypatch.delenv(failures.LAUNCHER_ENV, raising=False)  # plain torchrun
+    failures.record_user_error("x = 1 is bad")
+    assert capsys.readouterr().err == "error: x = 1 is bad\n"
+    assert ProcessFailure(0, 1, 2, str(tmp_path / "error.json")).message == "x = 1 is bad"
+    monkeypatch.setenv(failures.LAUNCHER_ENV, "1")  # ours prints it, once
+    failures.record_user_error("x = 1 is bad")
+    assert capsys.readouterr().err == ""

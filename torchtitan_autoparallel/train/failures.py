@@ -1,0 +1,111 @@
+"""How a rank's failure reaches the user: one ``error:`` line, from the launcher.
+
+Bad input found before any rank starts is the preflight check's (``preflight.py``).
+Some is only found once the ranks run: a memory budget no plan fits, a plan cache
+of another job. A rank then stops with exit status 2; torchrun used to end the job
+with its own ``ChildFailedError`` traceback and a report per rank, under which the
+rank's one line was lost (and with ``LOG_RANK`` showing another rank, not shown).
+
+So each side does its part:
+
+* the rank (``record_user_error``) writes its message to the error file torchrun
+  gives every worker (``TORCHELASTIC_ERROR_FILE``), in the format torchrun reads
+  back, and leaves the printing to our launcher when that launched it;
+* the launcher (``report``) turns torchrun's ``ChildFailedError`` into the rank's
+  line and the rank's exit status. A crash (any other status, or a signal) is
+  named the same way, with the rank's recorded traceback when ``LOG_RANK`` hid
+  that rank's output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch's elastic package is imported only where a job runs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+NO_RECORD = "<NONE>"  # torchrun's message where a rank wrote no error file
+USER_ERROR_EXIT = 2  # a rank's status for bad input (``main.py``), as the preflight's
+LAUNCHER_ENV = "TORCHTITAN_AUTOPARALLEL_LAUNCHER"  # set by ``launch.py`` for its ranks
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
+
+
+def record_user_error(message: str) -> None:
+    """On a rank: make ``message`` the rank's reported failure; print it unless our
+    launcher will (then it is printed once, not once per shown rank)."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        # torchrun's reader takes a plain string message with a top-level timestamp
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+    if not (path and os.environ.get(LAUNCHER_ENV)):
+        print(f"error: {message}", file=sys.stderr)
+
+
+def report(error: ChildFailedError, shown_ranks: set[int] | None) -> int:
+    """Print one ``error:`` line for a failed job; the exit status to end with.
+    ``shown_ranks``: the ranks whose output the user saw (None: all of them)."""
+    rank, failure = root_cause(error.failures)
+    if failure.exitcode == USER_ERROR_EXIT and _recorded(failure):
+        print(f"error: {_message(failure)}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    hidden = shown_ranks is not None and failure.local_rank not in shown_ranks
+    callstack = _callstack(failure)
+    if hidden and callstack:
+        print(f"rank {rank}'s traceback (its output is not shown):\n{callstack}", file=sys.stderr)
+    print(f"error: {describe(rank, failure, hidden)}", file=sys.stderr)
+    return failure.exitcode if failure.exitcode > 0 else 1
+
+
+def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """The rank that failed first. Ranks ended by a signal are only a root cause when
+    nothing else failed: the agent stops every other rank with SIGTERM once one fails,
+    and error-file timestamps are whole seconds, so they tie with those ranks'."""
+    own = {r: f for r, f in failures.items() if f.exitcode >= 0} or failures
+    return min(own.items(), key=lambda item: (item[1].timestamp, not _recorded(item[1]), item[0]))
+
+
+def describe(rank: int, failure: ProcessFailure, hidden: bool) -> str:
+    if failure.exitcode < 0:
+        what = f"rank {rank} was killed by {failure.signal_name()}"
+    else:
+        what = f"rank {rank} failed with exit status {failure.exitcode}"
+    if _recorded(failure):
+        what += f": {_message(failure).splitlines()[0]}"
+    if hidden:
+        what += f" (its output is hidden: LOG_RANK={failure.local_rank} shows it)"
+    return what
+
+
+def _recorded(failure: ProcessFailure) -> bool:
+    """Whether the rank wrote its failure (torchrun makes up a message otherwise)."""
+    return bool(_message(failure))
+
+
+def _message(failure: ProcessFailure) -> str:
+    """The recorded message: ours is a string, torch's ``record`` nests it in a dict."""
+    message = failure.error_file_data.get("message")
+    if isinstance(message, dict):
+        message = message.get("message")
+    text = str(message or "").strip()
+    return "" if text == NO_RECORD else text
+
+
+def _callstack(failure: ProcessFailure) -> str:
+    message = failure.error_file_data.get("message")
+    if isinstance(message, dict):  # torch's ``record`` writes the traceback here
+        return str(message.get("extraInfo", {}).get("py_callstack", "")).rstrip()
+    return ""
+
+
+def shown_ranks(torchrun_args: list[str]) -> set[int] | None:
+    """The local ranks ``--local-ranks-filter`` shows (None: every rank's output)."""
+    for i, arg in enumerate(torchrun_args):
+        if arg.startswith("--local-ranks-filter"):
+            value = arg.partition("=")[2] if "=" in arg else torchrun_args[i + 1]
+            return {int(r) for r in value.split(",") if r.strip()}
+    return None
