@@ -90,3 +90,31 @@ def test_fake_backend_64_ranks_tensor_parallel(tmp_path: Path) -> None:
     assert "Shard(dim=0)" in out, run.tail()
     # No training happened: no metrics written.
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "model,args,warning",
+    [
+        ("llama3", ["--autoparallel.memory_budget_gib", "0.5"],
+         "warning: autoparallel.memory_budget_gib = 0.5 has no effect: model.name = 'llama3'"),
+        ("qwen3", ["--autoparallel.solver", "approx", "--autoparallel.overlap", "true"],
+         "warning: autoparallel.solver = 'approx', autoparallel.overlap = True have no effect"),
+        ("llama3_auto_parallel", ["--autoparallel.memory_budget_gib", "0.5"], None),
+        ("llama3", [], None),
+    ],
+)
+def test_planner_settings_of_a_hand_written_plan_are_flagged(model, args, warning, capsys) -> None:
+    """In the check, in this process: the planner's settings with a model it does not
+    plan warn (one line, the job still runs); with a planned model, or unset, nothing."""
+    from torchtitan_autoparallel.train import preflight
+
+    config = QWEN3_CONFIG if model.startswith("qwen3") else LLAMA3_CONFIG
+    argv = ["--ngpu", "4", "--job.config_file", str(config), "--model.name", model, *args]
+    assert preflight.main(argv) == 0
+    err = capsys.readouterr().err
+    if warning is None:
+        assert err == ""
+    else:
+        assert err.startswith(warning) and err.count("\n") == 1, err
+        assert "torchtitan's hand-written plan;" in err
+        assert "llama3_auto_parallel, qwen3_auto_parallel" in err

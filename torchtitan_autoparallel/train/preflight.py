@@ -7,9 +7,11 @@ a non-zero exit stops the launch before torchrun prints per-rank failures.
 from __future__ import annotations
 
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from torchtitan_autoparallel.config import JobConfig, load_config, resolve_degrees
+from torchtitan_autoparallel.config.job_config import AutoParallel
 from torchtitan_autoparallel.errors import ConfigError, UserError
 
 
@@ -23,12 +25,35 @@ def check(job: JobConfig, ngpu: int) -> None:
     check_model_fits_mesh(build_model_config(entry.family, job.model.flavor), degrees)
     if entry.auto_parallel:
         _check_cost_profile(job.autoparallel.cost_profile)
+    else:
+        _warn_unused_planner_settings(job)
     checkpoint.check_resume(job, entry.family)
     t = job.training
     if t.dataset in ("text", "jsonl") and not Path(t.dataset_path).exists():
         raise ConfigError(
             f"training.dataset_path {t.dataset_path!r} does not exist; accepted: a {t.dataset} "
             f"file or a folder of them"
+        )
+
+
+def _warn_unused_planner_settings(job: JobConfig) -> None:
+    """A hand-written plan ignores ``[autoparallel]``: say so rather than let a budget
+    or solver the user set pass for applied."""
+    from torchtitan_autoparallel.models.registry import MODELS
+
+    default = AutoParallel()
+    changed = [
+        f"autoparallel.{f.name} = {getattr(job.autoparallel, f.name)!r}"
+        for f in fields(AutoParallel)
+        if getattr(job.autoparallel, f.name) != getattr(default, f.name)
+    ]
+    if changed:
+        print(
+            f"warning: {', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect: "
+            f"model.name = {job.model.name!r} trains with torchtitan's "
+            f"hand-written plan; the planner runs for "
+            f"{', '.join(n for n, e in MODELS.items() if e.auto_parallel)}",
+            file=sys.stderr,
         )
 
 
