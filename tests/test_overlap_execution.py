@@ -190,6 +190,25 @@ def test_planned_step_is_scheduled_when_asked(fake_two):
     assert [n.name for n in step.local_graph.graph.nodes] == names
 
 
+def test_compiling_the_step_shares_one_fake_mode(fake_two, monkeypatch):
+    """Each FakeTensorMode captures the Python stack when made; one per recorded op
+    was half of the re-trace's time (execute/compiled.py)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    step, (tokens, labels) = _planned_fsdp_step()
+    made = []
+    init = FakeTensorMode.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(FakeTensorMode, "__init__", counting)
+    step.compile(tokens, labels)
+    nodes = len(step.local_graph.graph.nodes)
+    assert nodes > 500 and len(made) <= 2, f"{len(made)} fake modes for {nodes} nodes"
+
+
 # ---------------------------------------------------------------- multi-rank parity
 
 

@@ -18,6 +18,8 @@ from collections import Counter
 
 import torch
 from torch import fx
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -36,7 +38,12 @@ def trace_local_graph(planned: PlannedStep, tokens: DTensor, labels: DTensor) ->
         out = planned.interpret(wrapped)
         return (out.loss.to_local(), *(out.grads[f].to_local() for f in fqns))
 
-    with torch.no_grad():
+    # make_fx records every value's metadata through a fake mode, and DTensor's sharding
+    # propagation runs in one; with none ambient each call makes its own, and a new
+    # FakeTensorMode captures the Python stack: half the trace's time on the debug
+    # model. One shared mode gives the same graph and metadata.
+    shared = TracingContext(FakeTensorMode(allow_fallback_kernels=True))
+    with torch.no_grad(), tracing(shared):
         return make_fx(local_step, tracing_mode="real")(*(t.to_local() for t in templates))
 
 
