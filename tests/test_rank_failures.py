@@ -84,6 +84,15 @@ def test_infeasible_budget_on_real_ranks_is_one_error_line(tmp_path: Path) -> No
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+def test_calibration_bad_input_through_the_launcher_is_one_line() -> None:
+    run = run_launcher(["--mesh-shape", "3x1"], ngpu=2, env={"CALIBRATE": "1"}, timeout=300)
+    assert run.returncode == failures.USER_ERROR_EXIT, run.tail()
+    assert run.stderr.strip() == (
+        "error: --mesh-shape 3x1 does not cover the 2 ranks launched; "
+        "accepted: sizes joined by 'x' whose product is 2"
+    ), run.tail()
+
+
 def _failure(tmp_path: Path, rank: int, exitcode: int, record: dict | None) -> ProcessFailure:
     path = tmp_path / f"error-{rank}.json"
     if record is not None:

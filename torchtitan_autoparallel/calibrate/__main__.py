@@ -189,14 +189,15 @@ def _report(profile, compute_fit, intra_fit, inter_fit, step_fit, kept, base, ou
 def main(argv: list[str] | None = None) -> int:
     from torchtitan_autoparallel.calibrate.fit import FitError
     from torchtitan_autoparallel.distributed.runtime import init_runtime, shutdown
+    from torchtitan_autoparallel.train.failures import USER_ERROR_EXIT, record_user_error
 
     try:
         args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
         calibrate(args, init_runtime())
         return 0
     except (UserError, FitError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        record_user_error(str(e))  # printed once, by the launcher when it started us
+        return USER_ERROR_EXIT
     finally:
         shutdown()
 
