@@ -38,6 +38,8 @@ def test_plan_json_has_the_documented_fields(dry_run) -> None:
     assert plan["mesh"] == {"names": ["dp_shard", "tp"], "sizes": [4, 2]}
     assert set(plan["timings"]) >= {"trace", "strategies", "build", "solve", "total"}
     assert set(plan["predicted"]) >= {"compute_us", "comm_us", "param_bytes_per_device"}
+    # a dry run is checked against the memory of the profile's GPU (h100 by default)
+    assert plan["device_memory_bytes"] == 81559 * 2**20
     assert plan["replicated_ops"] == []
     assert plan["lower_bound"] <= plan["objective"] * (1 + 1e-9)
     # Every parameter of the debug model, one placement per mesh dim.
@@ -84,3 +86,21 @@ def test_bad_planner_settings_are_one_line_errors(tmp_path: Path, override, need
     assert run.returncode != 0
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], run.tail()
+
+
+def test_a_plan_that_outgrows_the_device_is_flagged(tmp_path: Path) -> None:
+    """LLaMA3-8B replicated on 64 ranks (DDP): 32 GB of fp32 weights and twice that of
+    AdamW state on every H100, whatever the plan. The job is planned, with a warning."""
+    run = run_launcher(
+        ["--model.name", "llama3_auto_parallel", "--model.flavor", "8B", "--job.dump_folder", tmp_path,
+         "--parallelism.data_parallel_replicate_degree", "64", "--parallelism.data_parallel_shard_degree", "1"],
+        ngpu=64, comm_mode="fake_backend", timeout=600,
+    )
+    assert run.returncode == 0, run.tail()
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    state = 3 * plan["predicted"]["param_bytes_per_device"]
+    assert state > plan["device_memory_bytes"] == 81559 * 2**20
+    warned = [line for line in run.stderr.splitlines() if "more than the device holds" in line]
+    assert len(warned) == 1, run.tail()
+    assert f"parameters and AdamW state {state / 2**30:.2f} GiB" in warned[0]
+    assert "of 79.65 GiB" in warned[0] and "data_parallel_shard_degree" in warned[0]

@@ -20,7 +20,7 @@ from torchtitan_autoparallel.planner.api import plan_training_step
 from torchtitan_autoparallel.planner.plan import Plan
 from torchtitan_autoparallel.planner.profiles import load_profile
 from torchtitan_autoparallel.report.__main__ import main as report_main
-from torchtitan_autoparallel.report.common import GIB, group_blocks, large_buffers, split_layer
+from torchtitan_autoparallel.report.common import GIB, group_blocks, large_buffers, memory_fit, split_layer
 from torchtitan_autoparallel.report.diff import diff_plans, format_diff
 from torchtitan_autoparallel.report.html import write_html
 
@@ -147,6 +147,31 @@ def test_report_warns_of_large_gathers(plans, tmp_path: Path) -> None:
     shown = [a for _, a in dom.elements if "warning" in a.get("class", "").split()]
     assert [(a["data-kind"], float(a["data-bytes"])) for a in shown] == [(b.kind, b.bytes) for b in expected]
     assert all(float(a["data-bytes"]) > threshold_gib * GIB for a in shown)
+
+
+def test_memory_fit_counts_weights_adamw_state_and_the_step_peak(plans) -> None:
+    plan = Plan.from_json(plans["fsdp"])
+    assert plan.device_memory_bytes is None and memory_fit(plan) is None  # CPU ranks: not checked
+    plan.device_memory_bytes = 80 * GIB
+    fit = memory_fit(plan)
+    params, peak = plan.predicted["param_bytes_per_device"], plan.predicted["peak_activation_bytes_per_device"]
+    assert peak > 0 and fit.state_bytes == 3 * params and fit.total_bytes == 3 * params + peak
+    assert fit.fits
+    plan.device_memory_bytes = fit.total_bytes * 0.99
+    assert not memory_fit(plan).fits
+
+
+def test_report_warns_when_the_plan_outgrows_the_device(plans, tmp_path: Path) -> None:
+    plan = Plan.from_json(plans["fsdp"])
+    for device_bytes, warned in ((80 * GIB, False), (2**20, True)):
+        plan.device_memory_bytes = device_bytes
+        plan.to_json(tmp_path / "plan.json")
+        dom = _render(tmp_path / "plan.json", tmp_path, warn_gib=1.0)
+        shown = {a["data-key"]: float(a["data-value"]) for a in dom.having("data-key")}
+        fit = memory_fit(plan)
+        assert shown["device_memory_bytes"] == device_bytes and shown["state_bytes"] == fit.state_bytes
+        flagged = [a for _, a in dom.elements if a.get("id") == "memory-fit"]
+        assert [float(a["data-bytes"]) for a in flagged] == ([fit.total_bytes] if warned else [])
 
 
 def test_report_screenshot_is_not_blank(plans, tmp_path: Path) -> None:

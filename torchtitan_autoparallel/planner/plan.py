@@ -59,6 +59,9 @@ class Plan:
     status: str
     timings: dict[str, float] = field(default_factory=dict)
     memory_budget_bytes: float | None = None
+    # One device's memory, that the plan is checked against (report/common.py, ``memory_fit``):
+    # the GPU's own, or for a dry run the cost profile's; None where not known (CPU ranks).
+    device_memory_bytes: float | None = None
     peak_rss_gib: dict[str, float] = field(default_factory=dict)  # planner's memory high-water mark after each stage
 
     # ------------------------------------------------------------ accessors

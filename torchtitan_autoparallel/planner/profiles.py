@@ -14,8 +14,9 @@ from typing import Any
 
 PEAK_DTYPES = ("float32", "bfloat16", "float16")
 # Fields with a default of 0, so that profiles saved before they existed still load.
-_STEP_FIELDS = (
-    "host_us_per_node", "alloc_us_per_byte", "optimizer_us_per_tensor", "optimizer_us_per_element", "optimizer_fixed_us"
+_OPTIONAL_FIELDS = (
+    "host_us_per_node", "alloc_us_per_byte", "optimizer_us_per_tensor", "optimizer_us_per_element",
+    "optimizer_fixed_us", "device_memory_gib",
 )
 
 
@@ -57,6 +58,9 @@ class HardwareProfile:
     optimizer_us_per_tensor: float = 0.0  # clipping + AdamW, per parameter tensor
     optimizer_us_per_element: float = 0.0  # ... per local parameter element
     optimizer_fixed_us: float = 0.0  # ... per step (clipping's one all-reduce of a scalar)
+    # Memory of one device, as nvidia-smi and torch.cuda report it; 0: not known.
+    # Prices nothing: a plan is checked against it (report/common.py, ``memory_fit``).
+    device_memory_gib: float = 0.0
 
     def __post_init__(self) -> None:
         missing = [k for k in PEAK_DTYPES if k not in self.peak_tflops]
@@ -70,7 +74,7 @@ class HardwareProfile:
             raise ValueError(f"profile {self.name!r}: compute_efficiency must be in (0, 1]")
         if self.kernel_overhead_us < 0:
             raise ValueError(f"profile {self.name!r}: kernel_overhead_us must be >= 0")
-        negative = [k for k in _STEP_FIELDS if getattr(self, k) < 0]
+        negative = [k for k in _OPTIONAL_FIELDS if getattr(self, k) < 0]
         if negative:
             raise ValueError(f"profile {self.name!r}: {', '.join(negative)} must be >= 0")
 
@@ -87,7 +91,7 @@ class HardwareProfile:
                 self.inter_node,
                 self.compute_efficiency,
                 self.kernel_overhead_us,
-                *(getattr(self, k) for k in _STEP_FIELDS),
+                *(getattr(self, k) for k in _OPTIONAL_FIELDS),
             )
         )
 
@@ -98,7 +102,7 @@ class HardwareProfile:
     def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - names)
-        missing = sorted(names - set(data) - set(_STEP_FIELDS))  # older profiles lack those: 0
+        missing = sorted(names - set(data) - set(_OPTIONAL_FIELDS))  # older profiles lack those: 0
         if unknown or missing:
             raise ValueError(f"bad hardware profile: missing fields {missing}, unknown fields {unknown}")
         kwargs = dict(data)
@@ -106,7 +110,7 @@ class HardwareProfile:
         kwargs["intra_node"] = Link(**data["intra_node"])
         kwargs["inter_node"] = Link(**data["inter_node"])
         kwargs["devices_per_node"] = int(data["devices_per_node"])
-        for key in ("mem_bandwidth_GBps", "compute_efficiency", "kernel_overhead_us", *_STEP_FIELDS):
+        for key in ("mem_bandwidth_GBps", "compute_efficiency", "kernel_overhead_us", *_OPTIONAL_FIELDS):
             if key in data:
                 kwargs[key] = float(data[key])
         return cls(**kwargs)
@@ -131,6 +135,7 @@ _H100 = HardwareProfile(
     inter_node=Link(latency_us=8.0, bandwidth_GBps=50.0),  # NDR 400 Gb/s per GPU
     compute_efficiency=0.70,
     kernel_overhead_us=3.0,
+    device_memory_gib=81559 / 1024,  # 80 GB HBM3: nvidia-smi reports 81,559 MiB
 )
 
 _A100 = HardwareProfile(
@@ -142,6 +147,7 @@ _A100 = HardwareProfile(
     inter_node=Link(latency_us=10.0, bandwidth_GBps=25.0),  # HDR 200 Gb/s per GPU
     compute_efficiency=0.75,
     kernel_overhead_us=4.0,
+    device_memory_gib=80.0,  # the 80 GB part: nvidia-smi reports 81,920 MiB
 )
 
 # A small shared CPU box running every rank as a gloo process over loopback.

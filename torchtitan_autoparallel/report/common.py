@@ -129,6 +129,51 @@ def large_buffers(plan: Plan, threshold_bytes: float) -> list[LargeBuffer]:
     return sorted(found, key=lambda b: -b.bytes)
 
 
+ADAMW_STATE_COPIES = 2  # exp_avg and exp_avg_sq, each the size of its parameter
+
+
+@dataclass
+class MemoryFit:
+    """What one device holds at the step's peak, against its memory. An estimate:
+    the allocator's slack and the CUDA context come on top."""
+
+    state_bytes: float  # parameters and AdamW's state
+    # the planner's peak of what the step keeps live, gradients included
+    # (planner/memory.py; 0 where the plan lacks it)
+    activation_bytes: float
+    device_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.device_bytes
+
+    def summary(self) -> str:
+        return (
+            f"parameters and AdamW state {fmt_bytes(self.state_bytes)} + the step's peak (activations "
+            f"and gradients) {fmt_bytes(self.activation_bytes)} = {fmt_bytes(self.total_bytes)} per device "
+            f"(estimate), of {fmt_bytes(self.device_bytes)}"
+        )
+
+    def message(self) -> str:
+        return (
+            f"{self.summary()}: more than the device holds; shard parameters over more mesh dims "
+            "(parallelism.data_parallel_shard_degree, tensor_parallel_degree) or lower "
+            "autoparallel.memory_budget_gib"
+        )
+
+
+def memory_fit(plan: Plan) -> MemoryFit | None:
+    """None when the plan names no device memory (CPU ranks, older plans)."""
+    if not plan.device_memory_bytes:
+        return None
+    state = plan.param_bytes_per_device * (1 + ADAMW_STATE_COPIES)
+    return MemoryFit(state, peak_activation_bytes(plan) or 0.0, float(plan.device_memory_bytes))
+
+
 # ---------------------------------------------------------------- units and colours
 
 

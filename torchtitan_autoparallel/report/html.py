@@ -19,6 +19,7 @@ from torchtitan_autoparallel.report.common import (
     fmt_us,
     group_blocks,
     large_buffers,
+    memory_fit,
     peak_activation_bytes,
     placement_colors,
     predicted_step_us,
@@ -77,6 +78,9 @@ def write_html(plan: Plan, path: str | Path, warn_bytes: float = DEFAULT_WARN_GI
 def _warnings_section(plan: Plan, warn_bytes: float) -> str:
     found = large_buffers(plan, warn_bytes)
     rows = [f'<h2>Warnings</h2><div id="warnings" data-threshold-bytes="{float(warn_bytes)!r}">']
+    fit = memory_fit(plan)
+    if fit is not None and not fit.fits:
+        rows.append(f'<div class="warning" id="memory-fit" data-bytes="{fit.total_bytes!r}">{_e(fit.message())}</div>')
     if not found:
         rows.append(f'<div class="ok">No collective materialises more than {_e(fmt_bytes(warn_bytes))} per device.</div>')
     for b in found:
@@ -123,6 +127,10 @@ def _memory_section(plan: Plan) -> str:
     if plan.memory_budget_bytes is not None:
         b = plan.memory_budget_bytes
         rows.append(f"<tr><th>parameter budget per device</th>{_num('memory_budget_bytes', float(b), fmt_bytes(b))}</tr>")
+    fit = memory_fit(plan)
+    if fit is not None:
+        rows.append(f"<tr><th>parameters and AdamW state</th>{_num('state_bytes', fit.state_bytes, fmt_bytes(fit.state_bytes))}</tr>")
+        rows.append(f"<tr><th>device memory</th>{_num('device_memory_bytes', fit.device_bytes, fmt_bytes(fit.device_bytes))}</tr>")
     note = (
         '<p class="muted">Peak activations: the most bytes of step-produced tensors (activations, temporaries, '
         "redistributed inputs, reduced gradients) live at once on one device, estimated from the traced graph; "

@@ -111,21 +111,36 @@ def _report_plan(job: JobConfig, runtime: Runtime, plan) -> None:
         return
     folder = Path(job.job.dump_folder)
     folder.mkdir(parents=True, exist_ok=True)
+    plan.device_memory_bytes = _device_memory_bytes(job, runtime)
     plan.to_json(folder / "plan.json")
     logger.info("plan:\n%s", plan.table())
     _write_plan_report(job, plan, folder)
     logger.info(f"plan written to {folder / 'plan.json'} (planning took {plan.timings['total']:.1f} s)")
 
 
+def _device_memory_bytes(job: JobConfig, runtime: Runtime) -> float | None:
+    """One device's memory: the GPU's own, or for a dry run the cost profile's."""
+    if runtime.device_type == "cuda" and not runtime.fake:
+        return float(torch.cuda.get_device_properties(runtime.device).total_memory)
+    gib = resolve_profile(job, runtime).device_memory_gib
+    return gib * 2**30 if gib > 0 else None
+
+
 def _write_plan_report(job: JobConfig, plan, folder: Path) -> None:
-    """plan.html beside plan.json, and a warning per collective that gathers too much per device."""
-    from torchtitan_autoparallel.report.common import GIB, large_buffers
+    """plan.html beside plan.json; a warning per collective that gathers too much per
+    device, and one if the plan's memory estimate outgrows the device."""
+    from torchtitan_autoparallel.report.common import GIB, large_buffers, memory_fit
     from torchtitan_autoparallel.report.html import write_html
 
     threshold = job.autoparallel.report_warn_gib * GIB
     write_html(plan, folder / "plan.html", threshold)
     for big in large_buffers(plan, threshold):
         logger.warning("plan: %s", big.message(threshold))
+    fit = memory_fit(plan)
+    if fit is not None and not fit.fits:
+        logger.warning("plan: %s", fit.message())
+    elif fit is not None:
+        logger.info("plan: %s", fit.summary())
     logger.info(f"plan report written to {folder / 'plan.html'}")
 
 
