@@ -228,6 +228,13 @@ def test_cli_diff_and_html(plans, capsys, tmp_path: Path) -> None:
     out = tmp_path / "r.html"
     assert report_main(["html", str(plans["fsdp"]), "-o", str(out)]) == 0
     assert out.read_text().startswith("<!doctype html>")
+    assert "more than the device holds" not in capsys.readouterr().out  # CPU plan: not checked
+    small = Plan.from_json(plans["fsdp"])
+    small.device_memory_bytes = 2**20
+    small.to_json(tmp_path / "small.json")
+    assert report_main(["html", str(tmp_path / "small.json"), "-o", str(out)]) == 0
+    warned = [line for line in capsys.readouterr().out.splitlines() if "more than the device holds" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: parameters and AdamW state")
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from torchtitan_autoparallel.errors import UserError
-from torchtitan_autoparallel.report.common import DEFAULT_WARN_GIB, GIB, large_buffers, load_plan
+from torchtitan_autoparallel.report.common import DEFAULT_WARN_GIB, GIB, large_buffers, load_plan, memory_fit
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,6 +48,9 @@ def _html(args: argparse.Namespace) -> None:
     write_html(plan, out, threshold)
     for big in large_buffers(plan, threshold):
         print(f"warning: {big.message(threshold)}")
+    fit = memory_fit(plan)
+    if fit is not None and not fit.fits:
+        print(f"warning: {fit.message()}")
     print(f"wrote {out}")
 
 
