@@ -31,6 +31,9 @@ BAD_INPUTS = {
     "bad_enum": (1, None, ["--optimizer.name", "SGD"], ["optimizer.name", "'SGD'", "AdamW"]),
     "missing_config_file": (1, "/nonexistent/job.toml", [], ["/nonexistent/job.toml", "not found"]),
     "ngpu_not_a_number": ("two", None, [], ["NGPU='two'"]),
+    "dump_folder_unwritable": (
+        1, None, ["--job.dump_folder", "/proc/no-such-run"], ["job.dump_folder '/proc/no-such-run'", "cannot be written"]
+    ),
 }
 
 
@@ -54,6 +57,14 @@ def test_bad_input_gives_one_error_line(case: str, tmp_path: Path) -> None:
     # Stopped before torchrun: no rank started, nothing written.
     assert "[rank0]" not in run.stdout + run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_dump_folder_inside_a_file_is_refused(tmp_path: Path) -> None:
+    afile = tmp_path / "notes.txt"
+    afile.write_text("a file, not a folder\n")
+    run = run_launcher(["--job.dump_folder", str(afile / "run")], timeout=180)
+    assert_one_error_line(run, ["job.dump_folder", f"{str(afile)!r} is not a folder"])
+    assert afile.read_text() == "a file, not a folder\n" and sorted(tmp_path.iterdir()) == [afile]
 
 
 @pytest.mark.parametrize(

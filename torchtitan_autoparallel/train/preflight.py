@@ -6,7 +6,9 @@ a non-zero exit stops the launch before torchrun prints per-rank failures.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from dataclasses import fields
 from pathlib import Path
 
@@ -28,12 +30,31 @@ def check(job: JobConfig, ngpu: int) -> None:
     else:
         _warn_unused_planner_settings(job)
     checkpoint.check_resume(job, entry.family)
+    _check_dump_folder(job.job.dump_folder)
     t = job.training
     if t.dataset in ("text", "jsonl") and not Path(t.dataset_path).exists():
         raise ConfigError(
             f"training.dataset_path {t.dataset_path!r} does not exist; accepted: a {t.dataset} "
             f"file or a folder of them"
         )
+
+
+def _check_dump_folder(path: str) -> None:
+    """The run writes its plan, metrics and checkpoints there: refuse a folder it cannot
+    make or write now, not after planning. Probed with a folder made and removed at
+    once, in the deepest part that exists, so a refused job leaves nothing behind."""
+    existing = Path(path).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    accepted = "accepted: a folder this user can create and write"
+    if not existing.is_dir():
+        raise ConfigError(f"job.dump_folder {path!r}: {str(existing)!r} is not a folder; {accepted}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=existing))
+    except OSError as e:
+        raise ConfigError(
+            f"job.dump_folder {path!r} cannot be written ({e.strerror} in {str(existing)!r}); {accepted}"
+        ) from None
 
 
 def _warn_unused_planner_settings(job: JobConfig) -> None:
