@@ -21,7 +21,7 @@ REQUIRED_KEYS = {
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("dry")
-    problem = folder / "problem.npz"
+    problem = folder / "exports" / "problem.npz"  # a folder the planner makes
     run = run_launcher(
         ["--model.name", "llama3_auto_parallel", "--job.dump_folder", folder,
          "--parallelism.tensor_parallel_degree", "2", "--autoparallel.export_problem", problem],

@@ -31,6 +31,13 @@ BAD_INPUTS = {
     "bad_enum": (1, None, ["--optimizer.name", "SGD"], ["optimizer.name", "'SGD'", "AdamW"]),
     "missing_config_file": (1, "/nonexistent/job.toml", [], ["/nonexistent/job.toml", "not found"]),
     "ngpu_not_a_number": ("two", None, [], ["NGPU='two'"]),
+    "missing_tokenizer": (
+        1, None, ["--model.tokenizer_path", "/nonexistent/tok.json"], ["model.tokenizer_path", "'/nonexistent/tok.json'"]
+    ),
+    "export_problem_unwritable": (
+        1, None, ["--model.name", "llama3_auto_parallel", "--autoparallel.export_problem", "/proc/x/p.npz"],
+        ["autoparallel.export_problem '/proc/x/p.npz'", "cannot be written"],
+    ),
     "dump_folder_unwritable": (
         1, None, ["--job.dump_folder", "/proc/no-such-run"], ["job.dump_folder '/proc/no-such-run'", "cannot be written"]
     ),

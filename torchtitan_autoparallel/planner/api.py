@@ -11,6 +11,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -131,6 +132,7 @@ def plan_stages(
     pricer.warm_up()  # logs the one-off compile of the redistribution search
     built = build_problem(traced, table, profile, memory_budget_gib, ties)
     if export_problem:
+        Path(export_problem).parent.mkdir(parents=True, exist_ok=True)
         built.problem.save(export_problem)
         log.info("problem written to %s", export_problem)
     lap("build")

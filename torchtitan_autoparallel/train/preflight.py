@@ -18,6 +18,7 @@ from torchtitan_autoparallel.errors import ConfigError, UserError
 
 
 def check(job: JobConfig, ngpu: int) -> None:
+    from torchtitan_autoparallel.data.tokenizer import DataError, resolve_tokenizer_path
     from torchtitan_autoparallel.models.registry import build_model_config, get_entry
     from torchtitan_autoparallel.train import checkpoint
     from torchtitan_autoparallel.train.setup import check_model_fits_mesh
@@ -30,7 +31,14 @@ def check(job: JobConfig, ngpu: int) -> None:
     else:
         _warn_unused_planner_settings(job)
     checkpoint.check_resume(job, entry.family)
-    _check_dump_folder(job.job.dump_folder)
+    _check_writable_folder("job.dump_folder", job.job.dump_folder, job.job.dump_folder)
+    if job.autoparallel.export_problem:
+        export = job.autoparallel.export_problem
+        _check_writable_folder("autoparallel.export_problem", export, str(Path(export).parent))
+    try:
+        resolve_tokenizer_path(job.model.tokenizer_path)
+    except DataError as e:
+        raise ConfigError(f"model.tokenizer_path: {e}") from None
     t = job.training
     if t.dataset in ("text", "jsonl") and not Path(t.dataset_path).exists():
         raise ConfigError(
@@ -39,21 +47,22 @@ def check(job: JobConfig, ngpu: int) -> None:
         )
 
 
-def _check_dump_folder(path: str) -> None:
-    """The run writes its plan, metrics and checkpoints there: refuse a folder it cannot
-    make or write now, not after planning. Probed with a folder made and removed at
-    once, in the deepest part that exists, so a refused job leaves nothing behind."""
-    existing = Path(path).absolute()
+def _check_writable_folder(key: str, value: str, folder: str) -> None:
+    """The run writes into ``folder`` (its plan, metrics, checkpoints, an exported
+    problem): refuse one it cannot make or write now, not after planning. Probed with a
+    folder made and removed at once, in the deepest part that exists, so a refused job
+    leaves nothing behind."""
+    existing = Path(folder).absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    accepted = "accepted: a folder this user can create and write"
+    accepted = "accepted: a path in a folder this user can create and write"
     if not existing.is_dir():
-        raise ConfigError(f"job.dump_folder {path!r}: {str(existing)!r} is not a folder; {accepted}")
+        raise ConfigError(f"{key} {value!r}: {str(existing)!r} is not a folder; {accepted}")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=existing))
     except OSError as e:
         raise ConfigError(
-            f"job.dump_folder {path!r} cannot be written ({e.strerror} in {str(existing)!r}); {accepted}"
+            f"{key} {value!r} cannot be written ({e.strerror} in {str(existing)!r}); {accepted}"
         ) from None
 
 
