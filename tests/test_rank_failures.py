@@ -137,3 +137,33 @@ def test_a_rank_without_our_launcher_prints_its_error(tmp_path: Path, monkeypatc
     monkeypatch.setenv(failures.LAUNCHER_ENV, "1")  # ours prints it, once
     failures.record_user_error("x = 1 is bad")
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.multirank
+def test_ctrl_c_stops_the_job_in_one_line(tmp_path: Path) -> None:
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it: the ranks
+    stop without tracebacks, what they logged stays readable, the launcher says why."""
+    import signal
+    import time
+
+    dump = tmp_path / "out"
+    env = {**os.environ, "NGPU": "2", "LOG_RANK": "0", "PYTHON": str(PYTHON)}
+    args = ["--job.dump_folder", str(dump), "--training.steps", "10000", "--training.seq_len", "64",
+            "--metrics.enable_tensorboard", "true", "--metrics.peak_tflops", "1"]
+    proc = subprocess.Popen([str(REPO / "run_train.sh"), *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    metrics = dump / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == failures.INTERRUPTED_EXIT, err[-3000:]
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err[-3000:]
+    assert err.rstrip().splitlines()[-1] == "stopped: the launcher received SIGINT; every rank was stopped"
+    assert "interrupted in step" in out + err
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(records) >= 2 and records[0]["step"] == 1

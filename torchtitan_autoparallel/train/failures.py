@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # torch's elastic package is imported only where a job runs
 
 NO_RECORD = "<NONE>"  # torchrun's message where a rank wrote no error file
 USER_ERROR_EXIT = 2  # a rank's status for bad input (``main.py``), as the preflight's
+INTERRUPTED_EXIT = 128 + 2  # the shell's status for a job stopped by Ctrl-C (SIGINT)
 LAUNCHER_ENV = "TORCHTITAN_AUTOPARALLEL_LAUNCHER"  # set by ``launch.py`` for its ranks
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
 
@@ -59,6 +60,13 @@ def report(error: ChildFailedError, shown_ranks: set[int] | None) -> int:
         print(f"rank {rank}'s traceback (its output is not shown):\n{callstack}", file=sys.stderr)
     print(f"error: {describe(rank, failure, hidden)}", file=sys.stderr)
     return failure.exitcode if failure.exitcode > 0 else 1
+
+
+def report_signal(signal_name: str, signum: int) -> int:
+    """The launcher was stopped (Ctrl-C, a scheduler's SIGTERM): torchrun has stopped the
+    ranks already; one line instead of its traceback."""
+    print(f"stopped: the launcher received {signal_name}; every rank was stopped", file=sys.stderr)
+    return 128 + signum
 
 
 def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:

@@ -54,6 +54,7 @@ def main(argv: list[str]) -> int:
 def _torchrun(args: list[str]) -> int:
     """torchrun's ``main``; a failed rank ends in one ``error:`` line (``failures.py``)
     instead of torchrun's traceback and per-rank report."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run  # its ``main`` less its ``record``
 
@@ -64,6 +65,8 @@ def _torchrun(args: list[str]) -> int:
         run(parse_args(args))
     except ChildFailedError as e:
         return failures.report(e, failures.shown_ranks(args))
+    except SignalException as e:
+        return failures.report_signal(e.sigval.name, int(e.sigval))
     return 0
 
 

@@ -15,7 +15,7 @@ from torchtitan_autoparallel.distributed.runtime import Runtime, exit_process, i
 from torchtitan_autoparallel.errors import UserError
 from torchtitan_autoparallel.models.registry import build_model_config, get_entry
 from torchtitan_autoparallel.train import checkpoint
-from torchtitan_autoparallel.train.failures import USER_ERROR_EXIT, record_user_error
+from torchtitan_autoparallel.train.failures import INTERRUPTED_EXIT, USER_ERROR_EXIT, record_user_error
 from torchtitan_autoparallel.train.optim import build_lr_scheduler
 from torchtitan_autoparallel.train.setup import (
     Training,
@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         record_user_error(str(e))
         return USER_ERROR_EXIT
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: no traceback (the launcher says it)
+        return INTERRUPTED_EXIT
     finally:
         shutdown()
 
@@ -94,6 +96,18 @@ def train(job: JobConfig, t: Training) -> int:
         state.step = saved["step"]
         t.dataloader.load_state_dict(saved["data"])
         t.scheduler = build_lr_scheduler(t.optimizer, job.training.steps, job.lr_scheduler, state.step)
+    try:
+        _loop(job, t, state, ckpt_folder)
+    except KeyboardInterrupt:
+        logger.info(f"interrupted in step {state.step}")
+        raise
+    finally:  # interrupted too: what was logged stays readable (metrics.jsonl, TensorBoard)
+        t.metrics.close()
+    logger.info("training finished")
+    return 0
+
+
+def _loop(job: JobConfig, t: Training, state: TrainState, ckpt_folder) -> None:
     data = iter(t.dataloader)
     while state.step < job.training.steps:
         state.step += 1
@@ -108,9 +122,6 @@ def train(job: JobConfig, t: Training) -> int:
                 "world_size": t.runtime.world_size,
             }
             checkpoint.save(ckpt_folder, state.step, t.model, t.optimizer, train_state)
-    t.metrics.close()
-    logger.info("training finished")
-    return 0
 
 
 if __name__ == "__main__":
