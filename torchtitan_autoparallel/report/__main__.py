@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from torchtitan_autoparallel.errors import UserError
-from torchtitan_autoparallel.report.common import DEFAULT_WARN_GIB, GIB, large_buffers, load_plan, memory_fit
+from torchtitan_autoparallel.report.common import DEFAULT_WARN_GIB, GIB, load_plan, plan_warnings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,11 +46,8 @@ def _html(args: argparse.Namespace) -> None:
     out = Path(args.output) if args.output else Path(args.plan).with_name("plan.html")
     threshold = args.warn_gib * GIB
     write_html(plan, out, threshold)
-    for big in large_buffers(plan, threshold):
-        print(f"warning: {big.message(threshold)}")
-    fit = memory_fit(plan)
-    if fit is not None and not fit.fits:
-        print(f"warning: {fit.message()}")
+    for message in plan_warnings(plan, threshold):
+        print(f"warning: {message}")
     print(f"wrote {out}")
 
 

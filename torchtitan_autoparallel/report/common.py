@@ -174,6 +174,15 @@ def memory_fit(plan: Plan) -> MemoryFit | None:
     return MemoryFit(state, peak_activation_bytes(plan) or 0.0, float(plan.device_memory_bytes))
 
 
+def plan_warnings(plan: Plan, threshold_bytes: float) -> list[str]:
+    """Every warning the plan earns, one line each: the large gathers, then the memory fit."""
+    found = [big.message(threshold_bytes) for big in large_buffers(plan, threshold_bytes)]
+    fit = memory_fit(plan)
+    if fit is not None and not fit.fits:
+        found.append(fit.message())
+    return found
+
+
 # ---------------------------------------------------------------- units and colours
 
 

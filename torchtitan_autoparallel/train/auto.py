@@ -129,17 +129,15 @@ def _device_memory_bytes(job: JobConfig, runtime: Runtime) -> float | None:
 def _write_plan_report(job: JobConfig, plan, folder: Path) -> None:
     """plan.html beside plan.json; a warning per collective that gathers too much per
     device, and one if the plan's memory estimate outgrows the device."""
-    from torchtitan_autoparallel.report.common import GIB, large_buffers, memory_fit
+    from torchtitan_autoparallel.report.common import GIB, memory_fit, plan_warnings
     from torchtitan_autoparallel.report.html import write_html
 
     threshold = job.autoparallel.report_warn_gib * GIB
     write_html(plan, folder / "plan.html", threshold)
-    for big in large_buffers(plan, threshold):
-        logger.warning("plan: %s", big.message(threshold))
+    for message in plan_warnings(plan, threshold):
+        logger.warning("plan: %s", message)
     fit = memory_fit(plan)
-    if fit is not None and not fit.fits:
-        logger.warning("plan: %s", fit.message())
-    elif fit is not None:
+    if fit is not None and fit.fits:
         logger.info("plan: %s", fit.summary())
     logger.info(f"plan report written to {folder / 'plan.html'}")
 
