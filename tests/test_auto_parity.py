@@ -3,7 +3,7 @@
 For both debug models, the planner's plan on 2 ranks DDP, 2 ranks FSDP,
 2 ranks TP, 4 ranks FSDP 2 x TP 2 and 4 ranks HSDP 2 x 2, and for llama3 on
 8 ranks FSDP 2 x TP 4, logs the 1-rank losses at the same global batch within
-1e-4 relative. A second start of the same job reuses the cached plan.
+1e-4 relative; so does FSDP on 2 ranks accumulating gradients over two micro-batches. A second start of the same job reuses the cached plan.
 """
 
 from __future__ import annotations
@@ -70,6 +70,28 @@ def test_auto_parallel_loss_parity_with_one_rank(runs: Runs, model: str, plan: s
     plan_json = json.loads((runs.root / f"{model}-auto_{plan}" / "plan.json").read_text())
     assert plan_json["replicated_ops"] == []
     assert plan_json["mesh"]["sizes"] == PLANS[plan][2]
+
+
+def test_auto_parallel_gradient_accumulation_matches_one_rank(runs: Runs) -> None:
+    """FSDP on 2 ranks, 1 sample per rank per micro-batch, 2 micro-batches a step: the
+    1-rank losses at global batch 4 (the planned step runs on a quarter of it each time)."""
+    ref = runs.reference("llama3")
+    got = runs.get(
+        "llama3-auto_fsdp_accumulate", "--model.name", "llama3_auto_parallel",
+        "--training.global_batch_size", str(GLOBAL_BATCH),
+        model="llama3", ngpu=2, steps=STEPS, seq_len=SEQ_LEN, local_batch_size=1,
+    )
+    check_records(got, STEPS)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=LOSS_REL)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=GRAD_NORM_REL)
+    assert len({round(r["loss"], 6) for r in got}) == STEPS
+    # the plan check prices two planned steps and one optimizer step
+    assert all(r["micro_batches"] == 2 for r in got)
+    for r in got:
+        planned = (r["predicted_compute_s"] + r["predicted_comm_s"] - r["predicted_overlap_s"]
+                   + r["predicted_host_s"] + r["predicted_alloc_s"])
+        assert planned > 0
+        assert r["predicted_step_s"] == pytest.approx(2 * planned + r["predicted_optimizer_s"], rel=1e-9)
 
 
 def test_auto_parallel_second_start_hits_the_plan_cache(runs: Runs) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_autoparallel.config import JobConfig, load_config, resolve_degrees
+from torchtitan_autoparallel.config import JobConfig, accumulation_steps, load_config, resolve_degrees
 from torchtitan_autoparallel.config.job_config import SECTIONS
 from torchtitan_autoparallel.errors import ConfigError, UserError
 
@@ -243,6 +243,7 @@ def test_bad_enum_values(argv: list[str], match: str) -> None:
         (["--training.steps", "0"], r"training\.steps = 0 is too small; accepted: >= 1"),
         (["--training.local_batch_size", "0"], r"training\.local_batch_size = 0 is too small"),
         (["--training.seq_len", "1"], r"training\.seq_len = 1 is too small; accepted: >= 2"),
+        (["--training.global_batch_size", "0"], r"training\.global_batch_size = 0 is too small; accepted: >= 1"),
         (["--optimizer.lr", "-1"], r"optimizer\.lr = -1\.0 is too small"),
         (["--lr_scheduler.decay_ratio", "1.5"], r"lr_scheduler\.decay_ratio = 1\.5; accepted: 0\.\.1 or none"),
         (["--lr_scheduler.min_lr_factor", "2"], r"lr_scheduler\.min_lr_factor = 2\.0; accepted: 0\.\.1"),
@@ -303,3 +304,21 @@ def test_degrees_not_dividing_ngpu() -> None:
 def test_degrees_product_not_ngpu(argv: list[str], world: int, product: int) -> None:
     with raises_config(rf"= {product} do not match NGPU={world}; accepted: a product equal to {world}"):
         degrees(argv, world)
+
+
+def test_accumulation_steps_from_the_global_batch() -> None:
+    def steps(argv: list[str], world: int) -> int:
+        job = load_config(argv)
+        return accumulation_steps(job, resolve_degrees(job, world))
+
+    assert steps(["--training.local_batch_size", "2"], 4) == 1  # -1: no accumulation
+    assert steps(["--training.local_batch_size", "2", "--training.global_batch_size", "8"], 4) == 1
+    assert steps(["--training.local_batch_size", "2", "--training.global_batch_size", "24"], 4) == 3
+    # tensor-parallel ranks share a batch: only the data-parallel degree divides it
+    tp = ["--parallelism.tensor_parallel_degree", "2"]
+    assert steps(["--training.local_batch_size", "1", "--training.global_batch_size", "4", *tp], 4) == 2
+    with raises_config(
+        r"training\.global_batch_size = 6 is not a multiple of local_batch_size \(1\) x data-parallel "
+        r"degree \(4\) = 4; accepted: -1 or a multiple of 4"
+    ):
+        steps(["--training.local_batch_size", "1", "--training.global_batch_size", "6"], 4)

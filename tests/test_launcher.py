@@ -38,6 +38,10 @@ BAD_INPUTS = {
         1, None, ["--model.name", "llama3_auto_parallel", "--autoparallel.export_problem", "/proc/x/p.npz"],
         ["autoparallel.export_problem '/proc/x/p.npz'", "cannot be written"],
     ),
+    "global_batch_not_a_multiple": (
+        2, None, ["--training.local_batch_size", "2", "--training.global_batch_size", "6"],
+        ["training.global_batch_size = 6", "local_batch_size (2) x data-parallel degree (2) = 4", "a multiple of 4"],
+    ),
     "dump_folder_unwritable": (
         1, None, ["--job.dump_folder", "/proc/no-such-run"], ["job.dump_folder '/proc/no-such-run'", "cannot be written"]
     ),

@@ -70,6 +70,18 @@ def test_measured_is_the_median_after_the_warm_up_steps() -> None:
     assert check.fields()["measured_step_s"] == pytest.approx(0.005)
 
 
+def test_gradient_accumulation_repeats_all_but_the_optimizer() -> None:
+    plan = _toy_plan()
+    shapes = {"layers.0.attention.wq.weight": (64, 32), "layers.1.attention.wq.weight": (64, 32), "norm.weight": (32,)}
+    add_step_terms(plan, shapes, graph_nodes=500, profile=STEP_PROFILE)
+    one, three = PlanCheck.of(plan), PlanCheck.of(plan, micro_batches=3)
+    optimizer_s = one.terms.optimizer_us / 1e6
+    assert optimizer_s > 0
+    assert three.predicted_step_s == pytest.approx(3 * (one.predicted_step_s - optimizer_s) + optimizer_s)
+    assert "3 micro-batches x (compute" in three.terms_text() and "micro-batches" not in one.terms_text()
+    assert three.fields()["micro_batches"] == 3 and "micro_batches" not in one.fields()
+
+
 def test_plan_predicts_host_and_optimizer_time_from_its_placements() -> None:
     plan = _toy_plan()
     shapes = {"layers.0.attention.wq.weight": (64, 32), "layers.1.attention.wq.weight": (64, 32), "norm.weight": (32,)}

@@ -2,6 +2,7 @@
 
 * loss parity: every hand-written plan reproduces the 1-rank losses (and grad
   norms) at the same global batch, read at full precision from metrics.jsonl;
+* gradient accumulation: two micro-batches a step give the same losses;
 * determinism: two identical 1-rank runs log identical losses;
 * checkpoint resume: a run stopped at step 2 and resumed continues exactly as
   an uninterrupted one;
@@ -74,6 +75,20 @@ def test_loss_parity_with_one_rank(runs: Runs, model: str, plan: str) -> None:
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=GRAD_NORM_REL)
     assert [r["lr"] for r in got] == pytest.approx([r["lr"] for r in ref], rel=1e-12)
     # ...and training moved the weights: the losses are not all the same.
+    assert len({round(r["loss"], 6) for r in got}) == STEPS
+
+
+def test_gradient_accumulation_matches_one_rank(runs: Runs) -> None:
+    """torchtitan's FSDP on 2 ranks, 1 sample per rank per micro-batch, 2 micro-batches a
+    step: the 1-rank losses at the same global batch."""
+    ref = runs.reference("llama3")[:STEPS]
+    got = runs.get(
+        "llama3-fsdp_accumulate", "--training.global_batch_size", str(GLOBAL_BATCH),
+        model="llama3", ngpu=2, steps=STEPS, seq_len=SEQ_LEN, local_batch_size=1,
+    )
+    check_records(got, STEPS)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=LOSS_REL)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=GRAD_NORM_REL)
     assert len({round(r["loss"], 6) for r in got}) == STEPS
 
 

@@ -27,7 +27,10 @@ class Model:
 @dataclass
 class Training:
     steps: int = 10
-    local_batch_size: int = 8  # per data-parallel rank; global = this x dp degree
+    local_batch_size: int = 8  # per data-parallel rank and micro-batch
+    # -1: local_batch_size x dp degree; a multiple of that accumulates gradients
+    # over global / (local x dp) micro-batches per optimizer step
+    global_batch_size: int = -1
     seq_len: int = 256
     seed: int = 0
     deterministic: bool = False

@@ -27,6 +27,8 @@ def validate(c: JobConfig) -> None:
     t = c.training
     _at_least("training.steps", t.steps, 1)
     _at_least("training.local_batch_size", t.local_batch_size, 1)
+    if t.global_batch_size != -1:
+        _at_least("training.global_batch_size", t.global_batch_size, 1)
     _at_least("training.seq_len", t.seq_len, 2)
     _at_least("training.max_norm", t.max_norm, 0)
     _choice("training.mixed_precision_param", t.mixed_precision_param, DTYPES)
@@ -89,3 +91,18 @@ def resolve_degrees(c: JobConfig, world_size: int) -> tuple[int, int, int]:
             f"equal to {world_size} (data_parallel_shard_degree = -1 fills in the rest)"
         )
     return rep, shard, tp
+
+
+def accumulation_steps(c: JobConfig, degrees: tuple[int, int, int]) -> int:
+    """Micro-batches per optimizer step: global_batch_size / (local_batch_size x data-parallel degree)."""
+    t = c.training
+    micro = t.local_batch_size * degrees[0] * degrees[1]
+    if t.global_batch_size == -1:
+        return 1
+    if t.global_batch_size % micro:
+        raise ConfigError(
+            f"training.global_batch_size = {t.global_batch_size} is not a multiple of "
+            f"local_batch_size ({t.local_batch_size}) x data-parallel degree "
+            f"({degrees[0] * degrees[1]}) = {micro}; accepted: -1 or a multiple of {micro}"
+        )
+    return t.global_batch_size // micro

@@ -6,7 +6,9 @@ concatenated into one endless token stream, cut into consecutive samples of
 window shifted by one). Global batch ``i`` is samples
 ``[i * G, (i + 1) * G)`` with ``G = dp_degree * local_batch_size``; rank
 ``r`` keeps rows ``[r * local_batch_size, (r + 1) * local_batch_size)``. So
-the global batch of a step never depends on how it is split across ranks.
+the global batch of a step never depends on how it is split across ranks; with
+gradient accumulation a step takes that many consecutive batches, so nor does
+it depend on how it is split into micro-batches.
 
 Epochs. Local corpora ("default", "text", "jsonl") are tokenized once per
 process and kept in memory; each epoch visits every document once, in an

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torchtitan_autoparallel.config import JobConfig
+from torchtitan_autoparallel.config import JobConfig, accumulation_steps
 from torchtitan_autoparallel.distributed.runtime import Runtime
 from torchtitan_autoparallel.errors import ConfigError, UserError
 from torchtitan_autoparallel.train.optim import build_lr_scheduler, build_optimizer
@@ -162,17 +162,30 @@ class AutoTraining(Training):
 
     planned: object = None  # execute.step.PlannedStep
 
-    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, float]:
         from torchtitan_autoparallel.execute.optim import optimizer_step
 
-        inputs, labels = (x.to(self.runtime.device) for x in batch)
-        if self.job.autoparallel.compile and self.planned.local_graph is None:
-            self._compile(inputs, labels)
-        loss, grads = self.planned.step_local(inputs, labels)
+        loss, grads = self._micro_step(batches[0])
+        for batch in batches[1:]:
+            micro_loss, micro_grads = self._micro_step(batch)
+            loss = loss + micro_loss
+            for fqn, grad in grads.items():  # each run's gradients are fresh tensors
+                grad.to_local().add_(micro_grads[fqn].to_local())
+        if len(batches) > 1:
+            # the planned step's loss and gradients are each micro-batch's global mean
+            loss = loss / len(batches)
+            for grad in grads.values():
+                grad.to_local().div_(len(batches))
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = optimizer_step(self.planned, self.optimizer, grads, self.job.training.max_norm)
         self.scheduler.step()
         return loss, grad_norm, lr
+
+    def _micro_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        inputs, labels = (x.to(self.runtime.device) for x in batch)
+        if self.job.autoparallel.compile and self.planned.local_graph is None:
+            self._compile(inputs, labels)
+        return self.planned.step_local(inputs, labels)
 
     def _compile(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         from torchtitan_autoparallel.execute.compiled import graph_collectives
@@ -242,9 +255,10 @@ def build_auto_training(
     if job.autoparallel.overlap_execution and not job.autoparallel.compile:
         logger.info("autoparallel.overlap_execution has no effect: it reorders the compiled graph and compile is off")
     dp_rank, dp_degree = step.data_parallel_coords()
+    steps = accumulation_steps(job, degrees)
     optimizer = build_optimizer(model, job.optimizer)
     metrics = build_metrics(job, runtime, flops_per_token)
-    metrics.attach_plan(planned.plan)
+    metrics.attach_plan(planned.plan, steps)
     return AutoTraining(
         job=job,
         runtime=runtime,
@@ -256,7 +270,8 @@ def build_auto_training(
         metrics=metrics,
         dp_degree=dp_degree,
         dp_group=None,
-        global_tokens_per_step=t.local_batch_size * t.seq_len * dp_degree,
+        global_tokens_per_step=t.local_batch_size * t.seq_len * dp_degree * steps,
         n_params=n_params,
+        accumulation_steps=steps,
         planned=step,
     )

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from torchtitan_autoparallel.config import JobConfig, load_config, resolve_degrees
+from torchtitan_autoparallel.config import JobConfig, accumulation_steps, load_config, resolve_degrees
 from torchtitan_autoparallel.distributed.runtime import Runtime, exit_process, init_runtime, shutdown
 from torchtitan_autoparallel.errors import UserError
 from torchtitan_autoparallel.models.registry import build_model_config, get_entry
@@ -56,6 +56,7 @@ def _tag_log_records_with_rank() -> None:
 def run(job: JobConfig) -> int:
     runtime = init_runtime(os.environ.get("COMM_MODE", ""))
     degrees = resolve_degrees(job, runtime.world_size)
+    accumulation_steps(job, degrees)  # before planning: refuse a bad batch early
     entry = get_entry(job.model.name)
     model_config = build_model_config(entry.family, job.model.flavor)
     check_model_fits_mesh(model_config, degrees)
@@ -96,6 +97,11 @@ def train(job: JobConfig, t: Training) -> int:
         state.step = saved["step"]
         t.dataloader.load_state_dict(saved["data"])
         t.scheduler = build_lr_scheduler(t.optimizer, job.training.steps, job.lr_scheduler, state.step)
+    if t.accumulation_steps > 1:
+        logger.info(
+            f"gradient accumulation: {t.accumulation_steps} micro-batches of {job.training.local_batch_size} "
+            f"sample(s) per data-parallel rank per step (global batch {job.training.global_batch_size})"
+        )
     try:
         _loop(job, t, state, ckpt_folder)
     except KeyboardInterrupt:
@@ -111,7 +117,7 @@ def _loop(job: JobConfig, t: Training, state: TrainState, ckpt_folder) -> None:
     data = iter(t.dataloader)
     while state.step < job.training.steps:
         state.step += 1
-        loss, grad_norm, lr = t.train_step(next(data))
+        loss, grad_norm, lr = t.train_step([next(data) for _ in range(t.accumulation_steps)])
         t.metrics.add_tokens(t.global_tokens_per_step)
         if state.step % job.metrics.log_freq == 0 or state.step == job.training.steps:
             t.metrics.log(state.step, t.global_loss(loss), float(grad_norm), lr)

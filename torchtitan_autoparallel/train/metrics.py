@@ -106,13 +106,16 @@ class MetricsLogger:
         self.plan_check = None  # train/plan_check.PlanCheck of a planned run
         self._logged_step = 0
 
-    def attach_plan(self, plan) -> None:
-        """Log the plan's predicted step time beside the measured one; put the plan in TensorBoard."""
+    def attach_plan(self, plan, micro_batches: int = 1) -> None:
+        """Log the plan's predicted step time beside the measured one; put the plan in TensorBoard.
+
+        ``micro_batches``: planned steps per optimizer step (gradient accumulation).
+        """
         from torchtitan_autoparallel.train.plan_check import PlanCheck, write_plan_to_tensorboard
 
-        self.plan_check = PlanCheck.of(plan)
+        self.plan_check = PlanCheck.of(plan, micro_batches)
         if self.tb is not None:
-            write_plan_to_tensorboard(self.tb, plan)
+            write_plan_to_tensorboard(self.tb, plan, micro_batches)
         self._step_start = time.perf_counter()
 
     def use_compiled_graph(self, cost, profile) -> None:

@@ -13,7 +13,9 @@ The prediction starts as the plan's (``planner/step_terms.py``: compute,
 communication, host time per node, optimizer). Once the step is compiled,
 ``use_graph`` reprices the communication and the host time from the graph
 the executor runs (bucketed collectives, its own node count), so the
-prediction prices the program that is measured.
+prediction prices the program that is measured. With gradient accumulation
+an optimizer step runs the planned step once per micro-batch: everything but
+the optimizer's time counts that many times.
 """
 
 from __future__ import annotations
@@ -30,19 +32,25 @@ _TERM_KEYS = {"compute_us": "compute", "comm_us": "comm", "overlap_savings_us": 
               "host_us": "host", "optimizer_us": "optimizer", "alloc_us": "alloc"}
 
 
+def step_us(terms: StepTerms, micro_batches: int) -> float:
+    """An optimizer step: the planned step once per micro-batch, then the optimizer once."""
+    return (terms.total_us - terms.optimizer_us) * micro_batches + terms.optimizer_us
+
+
 @dataclass
 class PlanCheck:
     terms: StepTerms
+    micro_batches: int = 1  # planned steps per optimizer step (gradient accumulation)
     source: str = "plan"  # or "compiled graph", once use_graph ran
     step_seconds: list[float] = field(default_factory=list)  # wall time of each step, step 1 first
 
     @classmethod
-    def of(cls, plan: Plan) -> PlanCheck:
-        return cls(plan_terms(plan))
+    def of(cls, plan: Plan, micro_batches: int = 1) -> PlanCheck:
+        return cls(plan_terms(plan), micro_batches)
 
     @property
     def predicted_step_s(self) -> float:
-        return self.terms.total_us / 1e6
+        return step_us(self.terms, self.micro_batches) / 1e6
 
     def use_graph(self, cost, profile) -> None:
         """Price what the compiled step runs (an ``execute.graph_cost.GraphCost``) instead of the plan's estimate."""
@@ -61,6 +69,8 @@ class PlanCheck:
     def fields(self) -> dict[str, float]:
         """What each metrics record gains: the prediction and its terms, and the measurement once steady."""
         out = {"predicted_step_s": self.predicted_step_s}
+        if self.micro_batches > 1:
+            out["micro_batches"] = self.micro_batches
         out.update({f"predicted_{stem}_s": getattr(self.terms, k) / 1e6 for k, stem in _TERM_KEYS.items()})
         measured = self.measured_step_s()
         if measured is not None:
@@ -77,8 +87,11 @@ class PlanCheck:
     def terms_text(self) -> str:
         t = self.terms
         overlap = f" - overlap {t.overlap_savings_us / 1e3:.1f}" if t.overlap_savings_us else ""
-        return (f"compute {t.compute_us / 1e3:.1f} + comm {t.comm_us / 1e3:.1f}{overlap} + host {t.host_us / 1e3:.1f} "
-                f"+ fresh memory {t.alloc_us / 1e3:.1f} + optimizer {t.optimizer_us / 1e3:.1f} ms, from the {self.source}")
+        planned = (f"compute {t.compute_us / 1e3:.1f} + comm {t.comm_us / 1e3:.1f}{overlap} + host {t.host_us / 1e3:.1f} "
+                   f"+ fresh memory {t.alloc_us / 1e3:.1f}")
+        if self.micro_batches > 1:
+            planned = f"{self.micro_batches} micro-batches x ({planned})"
+        return f"{planned} + optimizer {t.optimizer_us / 1e3:.1f} ms, from the {self.source}"
 
     def summary(self) -> str:
         measured = self.measured_step_s()
@@ -96,7 +109,7 @@ class PlanCheck:
         )
 
 
-def _term_scalars(terms: StepTerms) -> dict[str, float]:
+def _term_scalars(terms: StepTerms, micro_batches: int) -> dict[str, float]:
     return {
         "plan/predicted_compute_ms": terms.compute_us / 1e3,
         "plan/predicted_comm_ms": terms.comm_us / 1e3,
@@ -104,16 +117,16 @@ def _term_scalars(terms: StepTerms) -> dict[str, float]:
         "plan/predicted_host_ms": terms.host_us / 1e3,
         "plan/predicted_optimizer_ms": terms.optimizer_us / 1e3,
         "plan/predicted_alloc_ms": terms.alloc_us / 1e3,
-        "plan/predicted_step_ms": terms.total_us / 1e3,
+        "plan/predicted_step_ms": step_us(terms, micro_batches) / 1e3,
     }
 
 
-def write_plan_to_tensorboard(tb, plan: Plan) -> None:
+def write_plan_to_tensorboard(tb, plan: Plan, micro_batches: int) -> None:
     """Plan scalars (ms, at step 0), the plan table as text and the plan figure."""
     from torchtitan_autoparallel.report.common import peak_activation_bytes
     from torchtitan_autoparallel.report.figures import plan_image
 
-    scalars = _term_scalars(plan_terms(plan))
+    scalars = _term_scalars(plan_terms(plan), micro_batches)
     scalars["plan/param_gib_per_device"] = plan.predicted["param_bytes_per_device"] / 2**30
     peak = peak_activation_bytes(plan)
     if peak is not None:
@@ -128,7 +141,7 @@ def write_plan_to_tensorboard(tb, plan: Plan) -> None:
 
 def write_graph_terms_to_tensorboard(tb, check: PlanCheck, step: int) -> None:
     """The prediction repriced from the compiled graph, at the step that compiled it."""
-    for tag, value in _term_scalars(check.terms).items():
+    for tag, value in _term_scalars(check.terms, check.micro_batches).items():
         tb.add_scalar(tag, value, step)
     tb.flush()
 

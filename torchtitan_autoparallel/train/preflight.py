@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import fields
 from pathlib import Path
 
-from torchtitan_autoparallel.config import JobConfig, load_config, resolve_degrees
+from torchtitan_autoparallel.config import JobConfig, accumulation_steps, load_config, resolve_degrees
 from torchtitan_autoparallel.config.job_config import AutoParallel
 from torchtitan_autoparallel.errors import ConfigError, UserError
 
@@ -24,6 +24,7 @@ def check(job: JobConfig, ngpu: int) -> None:
     from torchtitan_autoparallel.train.setup import check_model_fits_mesh
 
     degrees = resolve_degrees(job, ngpu)
+    accumulation_steps(job, degrees)
     entry = get_entry(job.model.name)
     check_model_fits_mesh(build_model_config(entry.family, job.model.flavor), degrees)
     if entry.auto_parallel:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_autoparallel.config import JobConfig
+from torchtitan_autoparallel.config import JobConfig, accumulation_steps
 from torchtitan_autoparallel.distributed.runtime import Runtime
 from torchtitan_autoparallel.errors import ConfigError
 from torchtitan_autoparallel.models.parallelize import (
@@ -60,27 +60,32 @@ class Training:
     dp_group: dist.ProcessGroup | None
     global_tokens_per_step: int
     n_params: int
+    accumulation_steps: int = 1  # micro-batches per optimizer step
 
-    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step; returns (local loss, grad norm, the lr this step used)."""
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over ``accumulation_steps`` micro-batches; returns
+        (local loss, grad norm, the lr this step used)."""
         from torchtitan.distributed.utils import clip_grad_norm_
 
-        inputs, labels = (x.to(self.runtime.device) for x in batch)
         self.optimizer.zero_grad()
-        pred = self.model(inputs)
-        if isinstance(pred, DTensor):
-            pred = pred.full_tensor()
-        # Data-parallel gradients are summed (not averaged) across ranks, so the
-        # local mean is divided by the data-parallel degree: the sum is then the
-        # gradient of the global mean.
-        loss = cross_entropy_loss(pred, labels) / self.dp_degree
-        loss.backward()
+        loss = torch.zeros((), device=self.runtime.device)
+        for batch in batches:
+            inputs, labels = (x.to(self.runtime.device) for x in batch)
+            pred = self.model(inputs)
+            if isinstance(pred, DTensor):
+                pred = pred.full_tensor()
+            # Data-parallel gradients are summed (not averaged) across ranks and
+            # micro-batch gradients add up in .grad, so the local mean is divided by
+            # both counts: the sum is then the gradient of the global batch's mean.
+            micro_loss = cross_entropy_loss(pred, labels) / (self.dp_degree * len(batches))
+            micro_loss.backward()
+            loss += micro_loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm_(params, self.job.training.max_norm, foreach=True)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
-        return loss.detach(), grad_norm, lr
+        return loss, grad_norm, lr
 
     def global_loss(self, local_loss: torch.Tensor) -> float:
         total = local_loss.clone()
@@ -118,6 +123,7 @@ def build_training(
     model = apply_manual_parallelism(model, family, job, degrees, dims, runtime)
     dp_degree, dp_rank, dp_group = _data_parallel_coords(dims)
     t = job.training
+    steps = accumulation_steps(job, degrees)
     common = dict(
         job=job,
         runtime=runtime,
@@ -125,8 +131,9 @@ def build_training(
         model_id=f"{family}:{job.model.flavor}",
         dp_degree=dp_degree,
         dp_group=dp_group,
-        global_tokens_per_step=t.local_batch_size * t.seq_len * dp_degree,
+        global_tokens_per_step=t.local_batch_size * t.seq_len * dp_degree * steps,
         n_params=n_params,
+        accumulation_steps=steps,
     )
     if runtime.fake:
         return Training(optimizer=None, scheduler=None, dataloader=None, metrics=None, **common)
