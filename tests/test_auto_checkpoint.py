@@ -248,6 +248,37 @@ def test_tensors_that_do_not_fit_are_one_line_errors(tmp_path: Path) -> None:
     assert "does not fit this model: Size mismatch" in message and "\n" not in message, message
 
 
+def test_keep_latest_k_removes_older_checkpoints(tmp_path: Path, caplog) -> None:
+    """Saving step N with keep_latest_k = 2 leaves the two latest complete checkpoints;
+    older incomplete ones go too, newer ones and other folders stay."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from torchtitan_autoparallel.train import checkpoint
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already open in this process (a test leaked it)")
+    folder = tmp_path / "ckpt"
+    (folder / "step-0").mkdir(parents=True)  # a save cut short by a crash: no train_state.json
+    (folder / "notes").mkdir()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = nn.Linear(4, 4)
+        optimizer = torch.optim.AdamW(model.parameters())
+        with caplog.at_level("INFO", logger="torchtitan_autoparallel"):
+            for step in (2, 4, 6):
+                checkpoint.save(folder, step, model, optimizer, {"model_id": "m"}, keep_latest_k=2)
+    finally:
+        dist.destroy_process_group()
+    assert sorted(p.name for p in folder.iterdir()) == ["notes", "step-4", "step-6"]
+    assert "removed checkpoint(s) step-0, step-2 (checkpoint.keep_latest_k = 2)" in caplog.text
+    assert checkpoint.latest_step(folder) == 6
+    (folder / "step-8").mkdir()  # newer but incomplete: kept, and not counted
+    assert checkpoint.purge_old(folder, 1) == [folder / "step-4"]
+    assert sorted(p.name for p in folder.iterdir()) == ["notes", "step-6", "step-8"]
+    assert checkpoint.purge_old(folder, 5) == []
+
+
 def test_binding_a_plan_keeps_tied_weights_tied() -> None:
     """Qwen3 ties its embedding and lm_head; the trace names the tensor once.
     A stale meta alias would reach the state dict (DCP cannot save it) and the optimizer."""

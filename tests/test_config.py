@@ -249,6 +249,7 @@ def test_bad_enum_values(argv: list[str], match: str) -> None:
         (["--lr_scheduler.min_lr_factor", "2"], r"lr_scheduler\.min_lr_factor = 2\.0; accepted: 0\.\.1"),
         (["--metrics.log_freq", "0"], r"metrics\.log_freq = 0 is too small"),
         (["--checkpoint.interval", "0"], r"checkpoint\.interval = 0 is too small"),
+        (["--checkpoint.keep_latest_k", "-1"], r"checkpoint\.keep_latest_k = -1 is too small; accepted: >= 0"),
         (["--parallelism.tensor_parallel_degree", "0"], r"parallelism\.tensor_parallel_degree = 0 is too small"),
         (["--parallelism.data_parallel_replicate_degree", "0"], r"parallelism\.data_parallel_replicate_degree = 0"),
         (["--parallelism.data_parallel_shard_degree", "0"], r"parallelism\.data_parallel_shard_degree = 0 is too small"),

@@ -83,6 +83,7 @@ class Checkpoint:
     folder: str = "checkpoint"
     interval: int = 500
     load_step: int = -1  # -1: the latest step found in folder
+    keep_latest_k: int = 10  # 0: keep every checkpoint
 
 
 @dataclass

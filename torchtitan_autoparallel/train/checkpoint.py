@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from pathlib import Path
 
 import torch.distributed as dist
@@ -84,7 +85,8 @@ def _state(model: nn.Module, optimizer) -> dict:
     }
 
 
-def save(folder: Path, step: int, model: nn.Module, optimizer, train_state: dict) -> None:
+def save(folder: Path, step: int, model: nn.Module, optimizer, train_state: dict, keep_latest_k: int = 0) -> None:
+    """Save ``step``, then (rank 0) remove what ``keep_latest_k`` no longer keeps (0: nothing)."""
     path = folder / f"step-{step}"
     dcp.save(_state(model, optimizer), checkpoint_id=str(path))
     # train_state.json is written last: its presence marks a complete checkpoint.
@@ -92,6 +94,28 @@ def save(folder: Path, step: int, model: nn.Module, optimizer, train_state: dict
         (path / "train_state.json").write_text(json.dumps({"step": step, **train_state}))
     dist.barrier()
     logger.info(f"saved checkpoint {path}")
+    if keep_latest_k and dist.get_rank() == 0:
+        removed = purge_old(folder, keep_latest_k)
+        if removed:
+            names = ", ".join(p.name for p in removed)
+            logger.info(f"removed checkpoint(s) {names} (checkpoint.keep_latest_k = {keep_latest_k})")
+
+
+def purge_old(folder: Path, keep: int) -> list[Path]:
+    """Remove the step folders older than the ``keep`` latest complete checkpoints.
+
+    Incomplete ones (no train_state.json: a save a crash cut short) older than
+    those are removed too; anything newer, and anything not named ``step-N``, stays.
+    """
+    steps = sorted(int(m.group(1)) for p in folder.glob("step-*") if p.is_dir() and (m := _STEP_DIR.match(p.name)))
+    complete = [s for s in steps if (folder / f"step-{s}" / "train_state.json").is_file()]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[-keep]
+    removed = [folder / f"step-{s}" for s in steps if s < oldest_kept]
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
 
 
 def read_train_state(folder: Path, step: int, model_id: str) -> dict:

@@ -127,7 +127,7 @@ def _loop(job: JobConfig, t: Training, state: TrainState, ckpt_folder) -> None:
                 "model_id": t.model_id,
                 "world_size": t.runtime.world_size,
             }
-            checkpoint.save(ckpt_folder, state.step, t.model, t.optimizer, train_state)
+            checkpoint.save(ckpt_folder, state.step, t.model, t.optimizer, train_state, job.checkpoint.keep_latest_k)
 
 
 if __name__ == "__main__":
