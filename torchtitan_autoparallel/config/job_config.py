@@ -87,6 +87,15 @@ class Checkpoint:
 
 
 @dataclass
+class Profiling:
+    enable_profiling: bool = False
+    save_traces_folder: str = "profile_traces"
+    profile_freq: int = 10  # trace every step that is a multiple of this
+    enable_memory_snapshot: bool = False  # CUDA only
+    save_memory_snapshot_folder: str = "memory_snapshot"
+
+
+@dataclass
 class ActivationCheckpoint:
     mode: str = "none"
 
@@ -125,6 +134,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    profiling: Profiling = field(default_factory=Profiling)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     autoparallel: AutoParallel = field(default_factory=AutoParallel)
 

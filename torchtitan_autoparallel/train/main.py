@@ -17,6 +17,7 @@ from torchtitan_autoparallel.models.registry import build_model_config, get_entr
 from torchtitan_autoparallel.train import checkpoint
 from torchtitan_autoparallel.train.failures import INTERRUPTED_EXIT, USER_ERROR_EXIT, record_user_error
 from torchtitan_autoparallel.train.optim import build_lr_scheduler
+from torchtitan_autoparallel.train.profiling import StepProfiler
 from torchtitan_autoparallel.train.setup import (
     Training,
     TrainState,
@@ -103,7 +104,8 @@ def train(job: JobConfig, t: Training) -> int:
             f"sample(s) per data-parallel rank per step (global batch {job.training.global_batch_size})"
         )
     try:
-        _loop(job, t, state, ckpt_folder)
+        with StepProfiler(job, t.runtime.rank, t.runtime.device, first_step=state.step + 1) as profiler:
+            _loop(job, t, state, ckpt_folder, profiler)
     except KeyboardInterrupt:
         logger.info(f"interrupted in step {state.step}")
         raise
@@ -113,12 +115,13 @@ def train(job: JobConfig, t: Training) -> int:
     return 0
 
 
-def _loop(job: JobConfig, t: Training, state: TrainState, ckpt_folder) -> None:
+def _loop(job: JobConfig, t: Training, state: TrainState, ckpt_folder, profiler: StepProfiler) -> None:
     data = iter(t.dataloader)
     while state.step < job.training.steps:
         state.step += 1
         loss, grad_norm, lr = t.train_step([next(data) for _ in range(t.accumulation_steps)])
         t.metrics.add_tokens(t.global_tokens_per_step)
+        profiler.step(state.step)
         if state.step % job.metrics.log_freq == 0 or state.step == job.training.steps:
             t.metrics.log(state.step, t.global_loss(loss), float(grad_norm), lr)
         if job.checkpoint.enable and state.step % job.checkpoint.interval == 0:
