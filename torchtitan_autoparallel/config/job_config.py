@@ -87,6 +87,14 @@ class Checkpoint:
 
 
 @dataclass
+class Comm:
+    # every collective's timeout during start-up; planning adds twice
+    # autoparallel.time_limit_s, as the other ranks wait for rank 0's solve
+    init_timeout_seconds: int = 300
+    train_timeout_seconds: int = 100  # from the end of the first step on
+
+
+@dataclass
 class Profiling:
     enable_profiling: bool = False
     save_traces_folder: str = "profile_traces"
@@ -135,6 +143,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     autoparallel: AutoParallel = field(default_factory=AutoParallel)
 

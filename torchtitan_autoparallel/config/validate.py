@@ -49,6 +49,8 @@ def validate(c: JobConfig) -> None:
     _at_least("checkpoint.interval", c.checkpoint.interval, 1)
     _at_least("checkpoint.keep_latest_k", c.checkpoint.keep_latest_k, 0)
     _at_least("profiling.profile_freq", c.profiling.profile_freq, 1)
+    _at_least("comm.init_timeout_seconds", c.comm.init_timeout_seconds, 1)
+    _at_least("comm.train_timeout_seconds", c.comm.train_timeout_seconds, 1)
     _choice("activation_checkpoint.mode", c.activation_checkpoint.mode, AC_MODES)
     a = c.autoparallel
     _choice("autoparallel.solver", a.solver, SOLVERS)

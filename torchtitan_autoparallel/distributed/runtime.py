@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import NoReturn
 
 import torch
@@ -40,8 +41,11 @@ def detect_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_runtime(comm_mode: str = "") -> Runtime:
-    """Start the process group for this rank (torchrun sets RANK/WORLD_SIZE)."""
+def init_runtime(comm_mode: str = "", timeout: timedelta | None = None) -> Runtime:
+    """Start the process group for this rank (torchrun sets RANK/WORLD_SIZE).
+
+    ``timeout``: every collective's, until ``set_collective_timeout`` (None: torch's default).
+    """
     device_type = detect_device_type()
     point_torchtitan_at(device_type)
     if comm_mode == "fake_backend":
@@ -55,8 +59,21 @@ def init_runtime(comm_mode: str = "") -> Runtime:
     if "RANK" not in os.environ:  # a plain `python -m`: be a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+    dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None, timeout=timeout)
     return Runtime(device, backend, dist.get_rank(), dist.get_world_size(), local_rank)
+
+
+def startup_timeout(init_timeout_s: float, solver_time_limit_s: float) -> timedelta:
+    """Start-up's collective timeout: the other ranks wait in a broadcast while rank 0
+    solves, for up to the solver's time limit and as long again for an optimality check."""
+    return timedelta(seconds=init_timeout_s + 2 * solver_time_limit_s)
+
+
+def set_collective_timeout(timeout: timedelta) -> None:
+    """Every process group's (the world's and the device mesh's), for the collectives to come."""
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if dist.get_backend(group) != "fake":
+            dist.set_timeout(timeout, group)
 
 
 def _init_fake(world_size: int) -> Runtime:

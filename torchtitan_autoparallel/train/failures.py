@@ -33,6 +33,12 @@ USER_ERROR_EXIT = 2  # a rank's status for bad input (``main.py``), as the prefl
 INTERRUPTED_EXIT = 128 + 2  # the shell's status for a job stopped by Ctrl-C (SIGINT)
 LAUNCHER_ENV = "TORCHTITAN_AUTOPARALLEL_LAUNCHER"  # set by ``launch.py`` for its ranks
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
+_TIMED_OUT = "timed out"  # gloo's and NCCL's words for a collective past its timeout
+TIMEOUT_HINT = (
+    "a collective timed out: another rank is stuck, died or is far slower, or the "
+    "limit is too short; comm.init_timeout_seconds holds until the first step is done, "
+    "comm.train_timeout_seconds after it"
+)
 
 
 def record_user_error(message: str) -> None:
@@ -83,7 +89,10 @@ def describe(rank: int, failure: ProcessFailure, hidden: bool) -> str:
     else:
         what = f"rank {rank} failed with exit status {failure.exitcode}"
     if _recorded(failure):
-        what += f": {_message(failure).splitlines()[0]}"
+        message = _message(failure).splitlines()[0]
+        what += f": {message}"
+        if _TIMED_OUT in message.lower():
+            what += f" ({TIMEOUT_HINT})"
     if hidden:
         what += f" (its output is hidden: LOG_RANK={failure.local_rank} shows it)"
     return what

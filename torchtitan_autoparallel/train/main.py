@@ -9,9 +9,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from datetime import timedelta
 
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps, load_config, resolve_degrees
-from torchtitan_autoparallel.distributed.runtime import Runtime, exit_process, init_runtime, shutdown
+from torchtitan_autoparallel.distributed.runtime import (
+    Runtime,
+    exit_process,
+    init_runtime,
+    set_collective_timeout,
+    shutdown,
+    startup_timeout,
+)
 from torchtitan_autoparallel.errors import UserError
 from torchtitan_autoparallel.models.registry import build_model_config, get_entry
 from torchtitan_autoparallel.train import checkpoint
@@ -55,16 +63,20 @@ def _tag_log_records_with_rank() -> None:
 
 
 def run(job: JobConfig) -> int:
-    runtime = init_runtime(os.environ.get("COMM_MODE", ""))
+    entry = get_entry(job.model.name)
+    solve_s = job.autoparallel.time_limit_s if entry.auto_parallel else 0.0
+    startup = startup_timeout(job.comm.init_timeout_seconds, solve_s)
+    runtime = init_runtime(os.environ.get("COMM_MODE", ""), startup)
     degrees = resolve_degrees(job, runtime.world_size)
     accumulation_steps(job, degrees)  # before planning: refuse a bad batch early
-    entry = get_entry(job.model.name)
     model_config = build_model_config(entry.family, job.model.flavor)
     check_model_fits_mesh(model_config, degrees)
     checkpoint.check_resume(job, entry.family)  # before planning: refuse early, write nothing
     logger.info(
         f"{job.model.name} {job.model.flavor} on {runtime.world_size} {runtime.device_type} "
-        f"rank(s) ({runtime.backend}); replicate {degrees[0]} x shard {degrees[1]} x tensor {degrees[2]}"
+        f"rank(s) ({runtime.backend}); replicate {degrees[0]} x shard {degrees[1]} x tensor {degrees[2]}; "
+        f"collective timeout {startup.total_seconds():.0f} s until the first step is done, then "
+        f"{job.comm.train_timeout_seconds} s"
     )
     if entry.auto_parallel:
         return run_auto_parallel(job, runtime, entry.family, model_config, degrees)
@@ -117,9 +129,12 @@ def train(job: JobConfig, t: Training) -> int:
 
 def _loop(job: JobConfig, t: Training, state: TrainState, ckpt_folder, profiler: StepProfiler) -> None:
     data = iter(t.dataloader)
+    first = state.step + 1
     while state.step < job.training.steps:
         state.step += 1
         loss, grad_norm, lr = t.train_step([next(data) for _ in range(t.accumulation_steps)])
+        if state.step == first:  # start-up (planning, the step's compile) is over: catch hangs sooner
+            set_collective_timeout(timedelta(seconds=job.comm.train_timeout_seconds))
         t.metrics.add_tokens(t.global_tokens_per_step)
         profiler.step(state.step)
         if state.step % job.metrics.log_freq == 0 or state.step == job.training.steps:
