@@ -243,6 +243,7 @@ def test_bad_enum_values(argv: list[str], match: str) -> None:
         (["--training.steps", "0"], r"training\.steps = 0 is too small; accepted: >= 1"),
         (["--training.local_batch_size", "0"], r"training\.local_batch_size = 0 is too small"),
         (["--training.seq_len", "1"], r"training\.seq_len = 1 is too small; accepted: >= 2"),
+        (["--training.gc_freq", "0"], r"training\.gc_freq = 0 is too small; accepted: >= 1"),
         (["--training.global_batch_size", "0"], r"training\.global_batch_size = 0 is too small; accepted: >= 1"),
         (["--optimizer.lr", "-1"], r"optimizer\.lr = -1\.0 is too small"),
         (["--lr_scheduler.decay_ratio", "1.5"], r"lr_scheduler\.decay_ratio = 1\.5; accepted: 0\.\.1 or none"),
@@ -323,3 +324,23 @@ def test_accumulation_steps_from_the_global_batch() -> None:
         r"degree \(4\) = 4; accepted: -1 or a multiple of 4"
     ):
         steps(["--training.local_batch_size", "1", "--training.global_batch_size", "6"], 4)
+
+
+def test_the_resolved_config_reloads_as_the_same_job(tmp_path: Path) -> None:
+    from torchtitan_autoparallel.config.dump import write_resolved
+
+    argv = [
+        "--job.dump_folder", str(tmp_path / "run"), "--job.description", 'a "quoted" d\u00e9j\u00e0-vu\\path',
+        "--model.name", "qwen3_auto_parallel", "--training.steps", "7", "--optimizer.lr", "3e-05",
+        "--lr_scheduler.decay_ratio", "none", "--metrics.peak_tflops", "12.5", "--training.deterministic", "true",
+        "--autoparallel.memory_budget_gib", "0.75", "--autoparallel.time_limit_s", "inf",
+    ]
+    job = load_config(argv, config_file=str(LLAMA3))
+    path = write_resolved(job)
+    assert path == tmp_path / "run" / "job_config.toml"
+    again = load_config([], config_file=str(path))
+    expected, got = job.to_dict(), again.to_dict()
+    assert got["job"].pop("config_file") == str(path)
+    expected["job"].pop("config_file")
+    assert got == expected
+    assert again.lr_scheduler.decay_ratio is None and again.autoparallel.time_limit_s == float("inf")

@@ -31,6 +31,7 @@ class Training:
     # -1: local_batch_size x dp degree; a multiple of that accumulates gradients
     # over global / (local x dp) micro-batches per optimizer step
     global_batch_size: int = -1
+    gc_freq: int = 50  # steps between garbage collections, on every rank at once
     seq_len: int = 256
     seed: int = 0
     deterministic: bool = False

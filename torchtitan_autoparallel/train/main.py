@@ -12,6 +12,7 @@ import sys
 from datetime import timedelta
 
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps, load_config, resolve_degrees
+from torchtitan_autoparallel.config.dump import write_resolved
 from torchtitan_autoparallel.distributed.runtime import (
     Runtime,
     exit_process,
@@ -25,6 +26,7 @@ from torchtitan_autoparallel.models.registry import build_model_config, get_entr
 from torchtitan_autoparallel.train import checkpoint
 from torchtitan_autoparallel.train.failures import INTERRUPTED_EXIT, USER_ERROR_EXIT, record_user_error
 from torchtitan_autoparallel.train.optim import build_lr_scheduler
+from torchtitan_autoparallel.train.garbage import ScheduledGC
 from torchtitan_autoparallel.train.profiling import StepProfiler
 from torchtitan_autoparallel.train.setup import (
     Training,
@@ -72,6 +74,8 @@ def run(job: JobConfig) -> int:
     model_config = build_model_config(entry.family, job.model.flavor)
     check_model_fits_mesh(model_config, degrees)
     checkpoint.check_resume(job, entry.family)  # before planning: refuse early, write nothing
+    if runtime.rank == 0:
+        logger.info(f"configuration written to {write_resolved(job)}")
     logger.info(
         f"{job.model.name} {job.model.flavor} on {runtime.world_size} {runtime.device_type} "
         f"rank(s) ({runtime.backend}); replicate {degrees[0]} x shard {degrees[1]} x tensor {degrees[2]}; "
@@ -116,8 +120,11 @@ def train(job: JobConfig, t: Training) -> int:
             f"sample(s) per data-parallel rank per step (global batch {job.training.global_batch_size})"
         )
     try:
-        with StepProfiler(job, t.runtime.rank, t.runtime.device, first_step=state.step + 1) as profiler:
-            _loop(job, t, state, ckpt_folder, profiler)
+        with (
+            StepProfiler(job, t.runtime.rank, t.runtime.device, first_step=state.step + 1) as profiler,
+            ScheduledGC(job.training.gc_freq) as collector,
+        ):
+            _loop(job, t, state, ckpt_folder, (profiler, collector))
     except KeyboardInterrupt:
         logger.info(f"interrupted in step {state.step}")
         raise
@@ -127,7 +134,8 @@ def train(job: JobConfig, t: Training) -> int:
     return 0
 
 
-def _loop(job: JobConfig, t: Training, state: TrainState, ckpt_folder, profiler: StepProfiler) -> None:
+def _loop(job: JobConfig, t: Training, state: TrainState, ckpt_folder, per_step: tuple) -> None:
+    """The steps; ``per_step``: what is told of each finished step (``step(n)``)."""
     data = iter(t.dataloader)
     first = state.step + 1
     while state.step < job.training.steps:
@@ -136,7 +144,8 @@ def _loop(job: JobConfig, t: Training, state: TrainState, ckpt_folder, profiler:
         if state.step == first:  # start-up (planning, the step's compile) is over: catch hangs sooner
             set_collective_timeout(timedelta(seconds=job.comm.train_timeout_seconds))
         t.metrics.add_tokens(t.global_tokens_per_step)
-        profiler.step(state.step)
+        for hook in per_step:
+            hook.step(state.step)
         if state.step % job.metrics.log_freq == 0 or state.step == job.training.steps:
             t.metrics.log(state.step, t.global_loss(loss), float(grad_norm), lr)
         if job.checkpoint.enable and state.step % job.checkpoint.interval == 0:
