@@ -71,7 +71,7 @@ def startup_timeout(init_timeout_s: float, solver_time_limit_s: float) -> timede
 
 def set_collective_timeout(timeout: timedelta) -> None:
     """Every process group's (the world's and the device mesh's), for the collectives to come."""
-    for group in list(dist.distributed_c10d._world.pg_map):
+    for group in dist.distributed_c10d._world.pg_map:
         if dist.get_backend(group) != "fake":
             dist.set_timeout(timeout, group)
 

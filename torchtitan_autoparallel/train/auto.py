@@ -270,7 +270,6 @@ def build_auto_training(
         metrics=metrics,
         dp_degree=dp_degree,
         dp_group=None,
-        global_tokens_per_step=t.local_batch_size * t.seq_len * dp_degree * steps,
         n_params=n_params,
         accumulation_steps=steps,
         planned=step,

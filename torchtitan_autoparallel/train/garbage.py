@@ -20,7 +20,7 @@ GENERATION = 1  # the two younger generations: what a step's short-lived cycles 
 class ScheduledGC:
     def __init__(self, freq: int) -> None:
         self.freq = freq
-        self.was_enabled = gc.isenabled()
+        self.was_enabled = True  # read again on entry
 
     def __enter__(self) -> ScheduledGC:
         self.was_enabled = gc.isenabled()

@@ -25,8 +25,8 @@ from torchtitan_autoparallel.errors import UserError
 from torchtitan_autoparallel.models.registry import build_model_config, get_entry
 from torchtitan_autoparallel.train import checkpoint
 from torchtitan_autoparallel.train.failures import INTERRUPTED_EXIT, USER_ERROR_EXIT, record_user_error
-from torchtitan_autoparallel.train.optim import build_lr_scheduler
 from torchtitan_autoparallel.train.garbage import ScheduledGC
+from torchtitan_autoparallel.train.optim import build_lr_scheduler
 from torchtitan_autoparallel.train.profiling import StepProfiler
 from torchtitan_autoparallel.train.setup import (
     Training,

@@ -58,9 +58,13 @@ class Training:
     metrics: MetricsLogger | None
     dp_degree: int
     dp_group: dist.ProcessGroup | None
-    global_tokens_per_step: int
     n_params: int
     accumulation_steps: int = 1  # micro-batches per optimizer step
+
+    @property
+    def global_tokens_per_step(self) -> int:
+        t = self.job.training
+        return t.local_batch_size * t.seq_len * self.dp_degree * self.accumulation_steps
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over ``accumulation_steps`` micro-batches; returns
@@ -131,7 +135,6 @@ def build_training(
         model_id=f"{family}:{job.model.flavor}",
         dp_degree=dp_degree,
         dp_group=dp_group,
-        global_tokens_per_step=t.local_batch_size * t.seq_len * dp_degree * steps,
         n_params=n_params,
         accumulation_steps=steps,
     )
