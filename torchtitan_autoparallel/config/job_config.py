@@ -105,6 +105,16 @@ class Profiling:
 
 
 @dataclass
+class Validation:
+    enable: bool = False
+    dataset: str = "default"  # as training.dataset; batches have the training step's shape
+    dataset_path: str = ""
+    freq: int = 10  # validate after step 1 and every freq-th step, as torchtitan
+    # batches per validation; -1: one pass over a local dataset (default, text, jsonl)
+    steps: int = 10
+
+
+@dataclass
 class ActivationCheckpoint:
     mode: str = "none"
 
@@ -145,6 +155,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    validation: Validation = field(default_factory=Validation)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     autoparallel: AutoParallel = field(default_factory=AutoParallel)
 

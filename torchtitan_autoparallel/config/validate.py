@@ -11,6 +11,7 @@ AC_MODES = ("none", "full", "selective")
 OPTIMIZERS = ("AdamW", "Adam")
 SOLVERS = ("ilp", "lp", "approx", "auto")
 ILP_BACKENDS = ("highs", "cbc")
+LOCAL_DATASETS = ("default", "text", "jsonl")  # read whole into memory; any other name is streamed
 
 
 def _choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
@@ -52,6 +53,7 @@ def validate(c: JobConfig) -> None:
     _at_least("profiling.profile_freq", c.profiling.profile_freq, 1)
     _at_least("comm.init_timeout_seconds", c.comm.init_timeout_seconds, 1)
     _at_least("comm.train_timeout_seconds", c.comm.train_timeout_seconds, 1)
+    _validate_validation(c)
     _choice("activation_checkpoint.mode", c.activation_checkpoint.mode, AC_MODES)
     a = c.autoparallel
     _choice("autoparallel.solver", a.solver, SOLVERS)
@@ -60,6 +62,19 @@ def validate(c: JobConfig) -> None:
     if a.memory_budget_gib is not None:
         _at_least("autoparallel.memory_budget_gib", a.memory_budget_gib, 1e-9)
     _at_least("autoparallel.report_warn_gib", a.report_warn_gib, 0)
+
+
+def _validate_validation(c: JobConfig) -> None:
+    v = c.validation
+    _at_least("validation.freq", v.freq, 1)
+    if v.steps != -1:
+        _at_least("validation.steps", v.steps, 1)
+    if v.enable and v.steps == -1 and v.dataset not in LOCAL_DATASETS:
+        raise ConfigError(
+            f"validation.steps = -1 (one pass) needs a local dataset, not {v.dataset!r}: "
+            f"a streamed one has no known length; accepted: steps >= 1, or dataset one of "
+            f"{', '.join(LOCAL_DATASETS)}"
+        )
 
 
 def _validate_parallelism(c: JobConfig) -> None:

@@ -199,6 +199,10 @@ class CorpusSampler:
             self._cached_epoch = (epoch, shuffled_epoch(self._corpus, self._seed, epoch))
         return self._cached_epoch[1]
 
+    def samples_per_pass(self) -> int:
+        """Samples that lie whole in one epoch read from the start."""
+        return len(self._corpus.tokens) // self._sample_len
+
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "samples_taken": self.samples_taken}
 
@@ -285,6 +289,12 @@ class TokenDataLoader:
     @property
     def epoch(self) -> int:
         return self._sampler.epoch
+
+    def batches_per_pass(self) -> int | None:
+        """Global batches in one pass over the data from its start; None for a stream."""
+        if isinstance(self._sampler, CorpusSampler):
+            return self._sampler.samples_per_pass() // self.global_batch_size
+        return None
 
     def __iter__(self) -> TokenDataLoader:
         return self

@@ -20,6 +20,7 @@ from torchtitan_autoparallel.config import JobConfig, accumulation_steps
 from torchtitan_autoparallel.distributed.runtime import Runtime
 from torchtitan_autoparallel.errors import ConfigError, UserError
 from torchtitan_autoparallel.train.optim import build_lr_scheduler, build_optimizer
+from torchtitan_autoparallel.train.validate import build_validator
 from torchtitan_autoparallel.train.setup import (
     Training,
     build_data,
@@ -221,6 +222,10 @@ class AutoTraining(Training):
             return
         self.metrics.use_compiled_graph(cost, profile)
 
+    def validation_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The planned step's loss (the global mean); its gradients are dropped."""
+        return self._micro_step(batch)[0]
+
     def global_loss(self, local_loss: torch.Tensor) -> float:
         return float(local_loss)  # the planned step already reduces the loss
 
@@ -268,6 +273,7 @@ def build_auto_training(
         scheduler=build_lr_scheduler(optimizer, t.steps, job.lr_scheduler),
         dataloader=build_data(job, model_config, dp_rank, dp_degree),
         metrics=metrics,
+        validator=build_validator(job, model_config, dp_rank, dp_degree),
         dp_degree=dp_degree,
         dp_group=None,
         n_params=n_params,

@@ -148,6 +148,8 @@ def _loop(job: JobConfig, t: Training, state: TrainState, ckpt_folder, per_step:
             hook.step(state.step)
         if state.step % job.metrics.log_freq == 0 or state.step == job.training.steps:
             t.metrics.log(state.step, t.global_loss(loss), float(grad_norm), lr)
+        if t.validator is not None and t.validator.due(state.step):
+            t.metrics.log_validation(t.validator.run(t, state.step))
         if job.checkpoint.enable and state.step % job.checkpoint.interval == 0:
             train_state = {
                 "data": t.dataloader.state_dict(),

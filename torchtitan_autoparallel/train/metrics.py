@@ -181,6 +181,27 @@ class MetricsLogger:
             self.tb.flush()
         return record
 
+    def log_validation(self, result) -> None:
+        """Log a ``validate.ValidationResult``; its time is kept out of the step timings."""
+        self._last += result.seconds
+        self._step_start += result.seconds
+        logger.info(
+            f"validate step: {result.step:2d}  loss: {result.loss:7.4f}  "
+            f"({result.batches} batch(es), {result.seconds:.2f} s)"
+        )
+        record = {
+            "step": result.step,
+            "validation_loss": result.loss,
+            "validation_batches": result.batches,
+            "validation_s": result.seconds,
+            "time": time.time(),
+        }
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            self.tb.add_scalar("validation/loss", result.loss, result.step)
+            self.tb.flush()
+
     def close(self) -> None:
         if self.plan_check is not None and self.writes:
             from torchtitan_autoparallel.train.plan_check import write_summary_to_tensorboard

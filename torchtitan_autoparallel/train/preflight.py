@@ -40,10 +40,15 @@ def check(job: JobConfig, ngpu: int) -> None:
         resolve_tokenizer_path(job.model.tokenizer_path)
     except DataError as e:
         raise ConfigError(f"model.tokenizer_path: {e}") from None
-    t = job.training
-    if t.dataset in ("text", "jsonl") and not Path(t.dataset_path).exists():
+    _check_dataset_path("training", job.training.dataset, job.training.dataset_path)
+    if job.validation.enable:
+        _check_dataset_path("validation", job.validation.dataset, job.validation.dataset_path)
+
+
+def _check_dataset_path(section: str, dataset: str, path: str) -> None:
+    if dataset in ("text", "jsonl") and not Path(path).exists():
         raise ConfigError(
-            f"training.dataset_path {t.dataset_path!r} does not exist; accepted: a {t.dataset} "
+            f"{section}.dataset_path {path!r} does not exist; accepted: a {dataset} "
             f"file or a folder of them"
         )
 

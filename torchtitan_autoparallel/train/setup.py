@@ -21,6 +21,7 @@ from torchtitan_autoparallel.models.parallelize import (
 from torchtitan_autoparallel.train.loss import cross_entropy_loss
 from torchtitan_autoparallel.train.metrics import MetricsLogger, resolve_peak
 from torchtitan_autoparallel.train.optim import build_lr_scheduler, build_optimizer
+from torchtitan_autoparallel.train.validate import build_validator
 
 logger = logging.getLogger("torchtitan_autoparallel")
 
@@ -60,6 +61,7 @@ class Training:
     dp_group: dist.ProcessGroup | None
     n_params: int
     accumulation_steps: int = 1  # micro-batches per optimizer step
+    validator: object | None = None  # train.validate.Validator when validation is on
 
     @property
     def global_tokens_per_step(self) -> int:
@@ -90,6 +92,18 @@ class Training:
         self.optimizer.step()
         self.scheduler.step()
         return loss, grad_norm, lr
+
+    def validation_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The batch's global mean loss, forward only."""
+        inputs, labels = (x.to(self.runtime.device) for x in batch)
+        with torch.no_grad():
+            pred = self.model(inputs)
+            if isinstance(pred, DTensor):
+                pred = pred.full_tensor()
+            loss = cross_entropy_loss(pred, labels)
+            if self.dp_degree > 1:
+                dist.all_reduce(loss, group=self.dp_group)
+        return loss / self.dp_degree
 
     def global_loss(self, local_loss: torch.Tensor) -> float:
         total = local_loss.clone()
@@ -147,6 +161,7 @@ def build_training(
         scheduler=build_lr_scheduler(optimizer, t.steps, job.lr_scheduler),
         dataloader=build_data(job, model_config, dp_rank, dp_degree),
         metrics=build_metrics(job, runtime, flops_per_token),
+        validator=build_validator(job, model_config, dp_rank, dp_degree),
         **common,
     )
 
@@ -199,7 +214,15 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
             dst.copy_(src)
 
 
-def build_data(job: JobConfig, model_config, dp_rank: int, dp_degree: int):
+def build_data(
+    job: JobConfig,
+    model_config,
+    dp_rank: int,
+    dp_degree: int,
+    dataset: str | None = None,
+    dataset_path: str | None = None,
+):
+    """This rank's loader of ``dataset`` (default: ``training.dataset``) at the training batch shape."""
     from torchtitan_autoparallel.data.dataset import build_dataloader
     from torchtitan_autoparallel.data.tokenizer import load_tokenizer
 
@@ -213,8 +236,8 @@ def build_data(job: JobConfig, model_config, dp_rank: int, dp_degree: int):
     t = job.training
     return build_dataloader(
         tokenizer,
-        dataset=t.dataset,
-        dataset_path=t.dataset_path,
+        dataset=t.dataset if dataset is None else dataset,
+        dataset_path=t.dataset_path if dataset is None else dataset_path,
         seq_len=t.seq_len,
         local_batch_size=t.local_batch_size,
         dp_rank=dp_rank,
