@@ -85,6 +85,13 @@ class Checkpoint:
     interval: int = 500
     load_step: int = -1  # -1: the latest step found in folder
     keep_latest_k: int = 10  # 0: keep every checkpoint
+    # a step folder to start from when folder holds no checkpoint to resume
+    initial_load_path: str = ""
+    initial_load_model_only: bool = True  # its weights only: step 1, fresh optimizer and data
+    # the save at the last step holds the weights only, in export_dtype (torchtitan's
+    # default is true; ours keeps the last checkpoint resumable)
+    last_save_model_only: bool = False
+    export_dtype: str = "float32"
 
 
 @dataclass

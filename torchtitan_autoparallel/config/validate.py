@@ -6,6 +6,7 @@ from torchtitan_autoparallel.config.job_config import JobConfig
 from torchtitan_autoparallel.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 DECAY_TYPES = ("linear", "cosine", "sqrt")
 AC_MODES = ("none", "full", "selective")
 OPTIMIZERS = ("AdamW", "Adam")
@@ -50,6 +51,7 @@ def validate(c: JobConfig) -> None:
         _at_least("metrics.peak_tflops", c.metrics.peak_tflops, 1e-9)
     _at_least("checkpoint.interval", c.checkpoint.interval, 1)
     _at_least("checkpoint.keep_latest_k", c.checkpoint.keep_latest_k, 0)
+    _choice("checkpoint.export_dtype", c.checkpoint.export_dtype, EXPORT_DTYPES)
     _at_least("profiling.profile_freq", c.profiling.profile_freq, 1)
     _at_least("comm.init_timeout_seconds", c.comm.init_timeout_seconds, 1)
     _at_least("comm.train_timeout_seconds", c.comm.train_timeout_seconds, 1)

@@ -8,6 +8,11 @@ identity, written by rank 0.
 Parameters and optimizer state are saved as DTensors under the model's own
 FQNs, so a checkpoint does not record a plan: loading fills the DTensors of
 the running plan (hand-written or automatic, any mesh) and DCP reshards.
+
+A model-only save (``last_save_model_only``: the last step's) holds the
+weights alone, in ``export_dtype``, and says so in ``train_state.json``; it
+cannot be resumed from, so resuming skips it, but any run of the same model
+can start from its weights (``initial_load_path``), as from any checkpoint's.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan_autoparallel.errors import UserError
@@ -58,17 +64,32 @@ def step_to_load(job) -> int | None:
     return latest_step(job_folder(job))
 
 
+def initial_load_path(job) -> Path | None:
+    """The checkpoint a run of ``job`` starts from when it resumes none (None: its own init)."""
+    if not job.checkpoint.initial_load_path or step_to_load(job) is not None:
+        return None
+    return Path(job.checkpoint.initial_load_path)
+
+
 def check_resume(job, family: str) -> None:
     """Refuse, before any rank starts, a checkpoint this run could not load."""
     step = step_to_load(job)
+    wanted = model_id(family, job.model.flavor)
     if step is not None:
-        read_train_state(job_folder(job), step, model_id(family, job.model.flavor))
+        read_train_state(job_folder(job), step, wanted)
+    elif (path := initial_load_path(job)) is not None:
+        check_initial(path, wanted, job.checkpoint.initial_load_model_only)
 
 
 def latest_step(folder: Path) -> int | None:
+    """The latest complete checkpoint that can be resumed from (model-only saves cannot)."""
     steps = [int(m.group(1)) for p in folder.glob("step-*") if (m := _STEP_DIR.match(p.name))]
-    complete = [s for s in steps if (folder / f"step-{s}" / "train_state.json").is_file()]
-    return max(complete) if complete else None
+    resumable = [s for s in steps if _resumable(folder / f"step-{s}" / "train_state.json")]
+    return max(resumable) if resumable else None
+
+
+def _resumable(state_file: Path) -> bool:
+    return state_file.is_file() and not json.loads(state_file.read_text()).get("model_only", False)
 
 
 # Optimizer state keyed by flat parameter FQNs, as torchtitan stores it.
@@ -85,15 +106,37 @@ def _state(model: nn.Module, optimizer) -> dict:
     }
 
 
-def save(folder: Path, step: int, model: nn.Module, optimizer, train_state: dict, keep_latest_k: int = 0) -> None:
-    """Save ``step``, then (rank 0) remove what ``keep_latest_k`` no longer keeps (0: nothing)."""
+def _weights(model: nn.Module, dtype: torch.dtype) -> dict:
+    """The model's state dict with floating-point tensors in ``dtype`` (complex buffers kept)."""
+    return {
+        k: v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v
+        for k, v in model.state_dict().items()
+    }
+
+
+def save(
+    folder: Path,
+    step: int,
+    model: nn.Module,
+    optimizer,
+    train_state: dict,
+    keep_latest_k: int = 0,
+    model_only_dtype: torch.dtype | None = None,
+) -> None:
+    """Save ``step`` (the weights alone, in ``model_only_dtype``, when that is given), then
+    (rank 0) remove what ``keep_latest_k`` no longer keeps (0: nothing)."""
     path = folder / f"step-{step}"
-    dcp.save(_state(model, optimizer), checkpoint_id=str(path))
+    if model_only_dtype is None:
+        dcp.save(_state(model, optimizer), checkpoint_id=str(path))
+    else:
+        dcp.save({"model": _weights(model, model_only_dtype)}, checkpoint_id=str(path))
+        train_state = {**train_state, "model_only": True, "dtype": str(model_only_dtype).removeprefix("torch.")}
     # train_state.json is written last: its presence marks a complete checkpoint.
     if dist.get_rank() == 0:
         (path / "train_state.json").write_text(json.dumps({"step": step, **train_state}))
     dist.barrier()
-    logger.info(f"saved checkpoint {path}")
+    kind = f" (weights only, {train_state['dtype']})" if model_only_dtype is not None else ""
+    logger.info(f"saved checkpoint {path}{kind}")
     if keep_latest_k and dist.get_rank() == 0:
         removed = purge_old(folder, keep_latest_k)
         if removed:
@@ -119,11 +162,36 @@ def purge_old(folder: Path, keep: int) -> list[Path]:
 
 
 def read_train_state(folder: Path, step: int, model_id: str) -> dict:
-    """The saved train state of ``step``, checked to belong to ``model_id``."""
+    """The saved train state of ``step``, checked to belong to ``model_id`` and to be resumable."""
     path = folder / f"step-{step}"
+    state = _read_state(path, model_id)
+    if state.get("model_only"):
+        raise CheckpointError(
+            f"checkpoint {path} holds the weights only (checkpoint.last_save_model_only) and "
+            f"cannot be resumed; accepted: a full checkpoint's step, or this one as "
+            f"checkpoint.initial_load_path (its weights, from step 1)"
+        )
+    return state
+
+
+def check_initial(path: Path, model_id: str, model_only: bool) -> dict:
+    """The train state of the checkpoint a run starts from, checked as ``read_train_state``;
+    a model-only save serves only for its weights."""
+    state = _read_state(path, model_id, key="checkpoint.initial_load_path")
+    if state.get("model_only") and not model_only:
+        raise CheckpointError(
+            f"checkpoint.initial_load_path {str(path)!r} holds the weights only, but "
+            f"checkpoint.initial_load_model_only is false; accepted: initial_load_model_only = "
+            f"true, or a full checkpoint"
+        )
+    return state
+
+
+def _read_state(path: Path, model_id: str, key: str | None = None) -> dict:
     state_file = path / "train_state.json"
     if not state_file.is_file():
-        raise CheckpointError(f"no complete checkpoint at {path}; accepted: a step folder with train_state.json")
+        where = f"{key} {str(path)!r}: no complete checkpoint there" if key else f"no complete checkpoint at {path}"
+        raise CheckpointError(f"{where}; accepted: a step folder with train_state.json")
     state = json.loads(state_file.read_text())
     if state.get("model_id") != model_id:
         raise CheckpointError(
@@ -134,14 +202,35 @@ def read_train_state(folder: Path, step: int, model_id: str) -> dict:
 
 
 def load(folder: Path, step: int, model: nn.Module, optimizer, model_id: str) -> dict:
-    """Restore model and optimizer in place; return the saved train state.
-
-    The target state dict holds this run's DTensors, so DCP reads into each
-    rank's shards of the current placements whatever plan or mesh saved them.
-    """
+    """Restore model and optimizer in place; return the saved train state."""
     path = folder / f"step-{step}"
     state = read_train_state(folder, step, model_id)
-    target = _state(model, optimizer)
+    _load_into(path, _state(model, optimizer), model, optimizer)
+    saved_on = f", saved on {state['world_size']} rank(s)" if "world_size" in state else ""
+    logger.info(f"resumed from checkpoint {path} (step {state['step']}{saved_on})")
+    return state
+
+
+def load_initial(path: Path, model: nn.Module, optimizer, model_id: str, model_only: bool) -> dict | None:
+    """Start from the checkpoint at ``path``: its weights alone (returns None), or with
+    ``model_only`` false everything, as a resume (returns its train state)."""
+    state = check_initial(path, model_id, model_only)
+    if not model_only:
+        _load_into(path, _state(model, optimizer), model, optimizer)
+        logger.info(f"started from checkpoint {path} (step {state['step']}: weights, optimizer and data)")
+        return state
+    _load_into(path, {"model": model.state_dict()}, model, None)
+    logger.info(f"started from the weights of checkpoint {path} (saved at step {state['step']}); step 1 next")
+    return None
+
+
+def _load_into(path: Path, target: dict, model: nn.Module, optimizer) -> None:
+    """DCP-load ``target`` (model, and optimizer unless None) and apply it.
+
+    The target state dict holds this run's DTensors, so DCP reads into each
+    rank's shards of the current placements whatever plan or mesh saved them,
+    converting the saved dtype to the model's.
+    """
     try:
         dcp.load(target, checkpoint_id=str(path))
     except CheckpointException as e:  # a BaseException: one line, not a traceback per rank
@@ -150,11 +239,9 @@ def load(folder: Path, step: int, model: nn.Module, optimizer, model_id: str) ->
             f"accepted: a checkpoint of the same model and flavor"
         ) from None
     model.load_state_dict(target["model"])
-    set_optimizer_state_dict(model, optimizer, target["optimizer"], options=_OPTIM_OPTIONS)
-    _check_state_placed_like_params(optimizer)
-    saved_on = f", saved on {state['world_size']} rank(s)" if "world_size" in state else ""
-    logger.info(f"resumed from checkpoint {path} (step {state['step']}{saved_on})")
-    return state
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, target["optimizer"], options=_OPTIM_OPTIONS)
+        _check_state_placed_like_params(optimizer)
 
 
 def _first_failure(e: CheckpointException) -> str:

@@ -11,6 +11,8 @@ import os
 import sys
 from datetime import timedelta
 
+import torch
+
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps, load_config, resolve_degrees
 from torchtitan_autoparallel.config.dump import write_resolved
 from torchtitan_autoparallel.distributed.runtime import (
@@ -109,8 +111,13 @@ def run_manual(job: JobConfig, runtime: Runtime, family: str, model_config, degr
 def train(job: JobConfig, t: Training) -> int:
     state = TrainState()
     ckpt_folder = checkpoint.job_folder(job)
+    saved = None
     if (step := checkpoint.step_to_load(job)) is not None:
         saved = checkpoint.load(ckpt_folder, step, t.model, t.optimizer, t.model_id)
+    elif (path := checkpoint.initial_load_path(job)) is not None:
+        c = job.checkpoint
+        saved = checkpoint.load_initial(path, t.model, t.optimizer, t.model_id, c.initial_load_model_only)
+    if saved is not None:
         state.step = saved["step"]
         t.dataloader.load_state_dict(saved["data"])
         t.scheduler = build_lr_scheduler(t.optimizer, job.training.steps, job.lr_scheduler, state.step)
@@ -150,13 +157,22 @@ def _loop(job: JobConfig, t: Training, state: TrainState, ckpt_folder, per_step:
             t.metrics.log(state.step, t.global_loss(loss), float(grad_norm), lr)
         if t.validator is not None and t.validator.due(state.step):
             t.metrics.log_validation(t.validator.run(t, state.step))
-        if job.checkpoint.enable and state.step % job.checkpoint.interval == 0:
-            train_state = {
-                "data": t.dataloader.state_dict(),
-                "model_id": t.model_id,
-                "world_size": t.runtime.world_size,
-            }
-            checkpoint.save(ckpt_folder, state.step, t.model, t.optimizer, train_state, job.checkpoint.keep_latest_k)
+        if _saves(job, state.step):
+            _save(job, t, state.step, ckpt_folder)
+
+
+def _saves(job: JobConfig, step: int) -> bool:
+    """Every ``interval`` steps and at the last step, as torchtitan."""
+    c = job.checkpoint
+    return c.enable and (step % c.interval == 0 or step == job.training.steps)
+
+
+def _save(job: JobConfig, t: Training, step: int, ckpt_folder) -> None:
+    c = job.checkpoint
+    train_state = {"data": t.dataloader.state_dict(), "model_id": t.model_id, "world_size": t.runtime.world_size}
+    model_only = c.last_save_model_only and step == job.training.steps
+    dtype = getattr(torch, c.export_dtype) if model_only else None
+    checkpoint.save(ckpt_folder, step, t.model, t.optimizer, train_state, c.keep_latest_k, dtype)
 
 
 if __name__ == "__main__":

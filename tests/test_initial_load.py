@@ -1,0 +1,161 @@
+"""Starting from another run's checkpoint, and the weights-only last save.
+
+One source run (hand-written FSDP on 1 rank, 4 steps) saves a full checkpoint
+at step 2 and, with ``last_save_model_only``, the bfloat16 weights alone at
+step 4; it validates on its own first training batch after steps 2 and 4, which
+is exactly the loss a run starting from those weights logs at its step 1:
+
+* an automatic plan on 2 ranks starting from the step-2 weights logs that loss
+  at step 1, with a fresh optimizer and schedule (the step-1 lr);
+* a run starting from the step-4 bfloat16 weights logs it up to bfloat16's
+  rounding of the weights;
+* ``initial_load_model_only = false`` resumes from another folder's checkpoint
+  and continues exactly as the source run did.
+
+Plus in-process checks: resuming skips a weights-only save, and what cannot
+be loaded is refused in one line before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from _run import LLAMA3_CONFIG, RUNS, RunCache
+from torchtitan_autoparallel.train import checkpoint
+
+LOSS_REL = 1e-4
+BF16_LOSS_REL = 2e-3  # weights rounded to 8 bits of mantissa: measured 1.3e-4 here
+SOURCE_STEPS = 4
+SOURCE = [
+    "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+    "--checkpoint.last_save_model_only", "true", "--checkpoint.export_dtype", "bfloat16",
+    "--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "1",
+]
+
+
+class Runs(RunCache):
+    def source(self) -> tuple[list[dict], dict[int, float]]:
+        records = self.get("source", *SOURCE, model="llama3", ngpu=1, steps=SOURCE_STEPS, seq_len=64, local_batch_size=4)
+        train = [r for r in records if "loss" in r]
+        return train, {r["step"]: r["validation_loss"] for r in records if "validation_loss" in r}
+
+    def saved(self, step: int) -> Path:
+        self.source()
+        return self.root / "source" / "checkpoint" / f"step-{step}"
+
+    def started(self, name: str, path: Path, *extra: str, ngpu: int = 1, steps: int = 1) -> list[dict]:
+        return self.get(
+            name, "--checkpoint.initial_load_path", str(path), *extra,
+            model="llama3", ngpu=ngpu, steps=steps, seq_len=64, local_batch_size=4 // ngpu,
+        )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("initial_load"))
+
+
+def _read_dcp(path: Path, scratch: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = scratch / f"{path.name}.pt"
+    dcp_to_torch_save(path, out)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.multirank
+def test_last_save_holds_the_weights_alone_in_the_export_dtype(runs: Runs, tmp_path: Path) -> None:
+    last = runs.saved(SOURCE_STEPS)
+    assert json.loads((last / "train_state.json").read_text())["model_only"] is True
+    state = _read_dcp(last, tmp_path)
+    assert sorted(state) == ["model"]
+    floats = [v for v in state["model"].values() if v.is_floating_point()]
+    assert floats and all(v.dtype == torch.bfloat16 for v in floats)
+    full = _read_dcp(runs.saved(2), tmp_path)
+    assert sorted(full) == ["model", "optimizer"]
+    assert all(v.dtype == torch.float32 for v in full["model"].values() if v.is_floating_point())
+
+
+@pytest.mark.multirank
+def test_planned_run_starts_from_another_runs_weights(runs: Runs) -> None:
+    source, validated = runs.source()
+    got = runs.started("auto", runs.saved(2), "--model.name", "llama3_auto_parallel", ngpu=2)
+    out = RUNS[-1].stdout + RUNS[-1].stderr
+    assert "started from the weights of checkpoint" in out, RUNS[-1].tail()
+    assert [r["step"] for r in got] == [1]
+    # the source run's first batch scored with its step-2 weights
+    assert got[0]["loss"] == pytest.approx(validated[2], rel=LOSS_REL)
+    assert got[0]["loss"] != pytest.approx(source[0]["loss"], rel=1e-3)  # not the fresh init's loss
+    assert got[0]["lr"] == pytest.approx(source[0]["lr"], rel=1e-12)  # a fresh schedule
+
+
+@pytest.mark.multirank
+def test_run_starts_from_bfloat16_weights(runs: Runs) -> None:
+    _, validated = runs.source()
+    got = runs.started("bf16", runs.saved(SOURCE_STEPS))
+    assert got[0]["loss"] == pytest.approx(validated[SOURCE_STEPS], rel=BF16_LOSS_REL)
+    assert got[0]["loss"] != pytest.approx(validated[2], rel=BF16_LOSS_REL)
+
+
+@pytest.mark.multirank
+def test_full_initial_load_resumes_from_another_folder(runs: Runs) -> None:
+    source, _ = runs.source()
+    got = runs.started("full", runs.saved(2), "--checkpoint.initial_load_model_only", "false", steps=SOURCE_STEPS)
+    assert [r["step"] for r in got] == [3, 4]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in source[2:]], rel=1e-5)
+    assert [r["lr"] for r in got] == pytest.approx([r["lr"] for r in source[2:]], rel=1e-12)
+
+
+def _fake_checkpoint(folder: Path, step: int, **state) -> Path:
+    path = folder / f"step-{step}"
+    path.mkdir(parents=True)
+    (path / "train_state.json").write_text(json.dumps({"step": step, "model_id": "llama3:debugmodel", **state}))
+    return path
+
+
+def test_resume_skips_a_weights_only_save(tmp_path: Path) -> None:
+    _fake_checkpoint(tmp_path, 2)
+    _fake_checkpoint(tmp_path, 4, model_only=True)
+    (tmp_path / "step-6").mkdir()  # cut short: no train_state.json
+    assert checkpoint.latest_step(tmp_path) == 2
+    with pytest.raises(checkpoint.CheckpointError, match=r"holds the weights only .* cannot be resumed"):
+        checkpoint.read_train_state(tmp_path, 4, "llama3:debugmodel")
+
+
+@pytest.mark.parametrize(
+    "state,model_only,message",
+    [
+        (None, True, "checkpoint.initial_load_path '{path}': no complete checkpoint there; accepted: a step folder with train_state.json"),
+        ({"model_only": True}, False, "checkpoint.initial_load_path '{path}' holds the weights only, but checkpoint.initial_load_model_only is false"),
+        ({"model_id": "qwen3:debugmodel"}, True, "checkpoint {path} holds model 'qwen3:debugmodel', this run trains 'llama3:debugmodel'"),
+    ],
+)
+def test_preflight_refuses_an_unusable_initial_checkpoint(tmp_path: Path, capsys, state, model_only, message) -> None:
+    from torchtitan_autoparallel.train import preflight
+
+    path = tmp_path / "step-2"
+    if state is not None:
+        _fake_checkpoint(tmp_path, 2, **state)
+    argv = [
+        "--ngpu", "1", "--job.config_file", str(LLAMA3_CONFIG), "--job.dump_folder", str(tmp_path / "out"),
+        "--checkpoint.initial_load_path", str(path),
+        "--checkpoint.initial_load_model_only", str(model_only).lower(),
+    ]
+    assert preflight.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + message.format(path=path)) and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_resumable_checkpoint_wins_over_the_initial_one(tmp_path: Path) -> None:
+    from torchtitan_autoparallel.config import load_config
+
+    dump = tmp_path / "out"
+    _fake_checkpoint(dump / "checkpoint", 3)
+    args = ["--job.dump_folder", str(dump), "--checkpoint.initial_load_path", str(tmp_path / "nowhere")]
+    assert checkpoint.initial_load_path(load_config(args + ["--checkpoint.enable", "true"])) is None
+    assert checkpoint.initial_load_path(load_config(args)) == tmp_path / "nowhere"  # saving off: nothing to resume
