@@ -159,3 +159,72 @@ def test_a_resumable_checkpoint_wins_over_the_initial_one(tmp_path: Path) -> Non
     args = ["--job.dump_folder", str(dump), "--checkpoint.initial_load_path", str(tmp_path / "nowhere")]
     assert checkpoint.initial_load_path(load_config(args + ["--checkpoint.enable", "true"])) is None
     assert checkpoint.initial_load_path(load_config(args)) == tmp_path / "nowhere"  # saving off: nothing to resume
+
+
+# Hugging Face layout: an automatic TP plan exports (the rotary permutation of the
+# query and key weights runs on its tensor-parallel shards), the hand-written
+# 1-rank plan starts from the export and logs the loss the source validated.
+HF_SOURCE_STEPS = 2
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("model", ["llama3", "qwen3"])
+def test_hugging_face_export_round_trip(runs: Runs, model: str) -> None:
+    from safetensors import safe_open
+
+    source = runs.get(
+        f"{model}-hf-source", "--model.name", f"{model}_auto_parallel", "--parallelism.tensor_parallel_degree", "2",
+        "--checkpoint.enable", "true", "--checkpoint.interval", "10", "--checkpoint.last_save_model_only", "true",
+        "--checkpoint.last_save_in_hf", "true",
+        "--validation.enable", "true", "--validation.freq", str(HF_SOURCE_STEPS), "--validation.steps", "1",
+        model=model, ngpu=2, steps=HF_SOURCE_STEPS, seq_len=64, local_batch_size=4,
+    )
+    validated = {r["step"]: r["validation_loss"] for r in source if "validation_loss" in r}
+    export = runs.root / f"{model}-hf-source" / "checkpoint" / f"step-{HF_SOURCE_STEPS}"
+    assert sorted(p.name for p in export.iterdir()) == [
+        "model-00001-of-00001.safetensors", "model.safetensors.index.json", "train_state.json",
+    ]
+    with safe_open(str(export / "model-00001-of-00001.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+    assert {"model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight"} <= names
+    assert not any(n.startswith("layers.") or "qkv_linear" in n for n in names)  # no torchtitan names left
+
+    got = runs.get(
+        f"{model}-from-hf", "--checkpoint.initial_load_path", str(export), "--checkpoint.initial_load_in_hf", "true",
+        model=model, ngpu=1, steps=1, seq_len=64, local_batch_size=4,
+    )
+    assert "started from the Hugging Face weights" in RUNS[-1].stdout + RUNS[-1].stderr, RUNS[-1].tail()
+    assert got[0]["loss"] == pytest.approx(validated[HF_SOURCE_STEPS], rel=LOSS_REL)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--checkpoint.last_save_in_hf", "true"], "checkpoint.last_save_in_hf = true needs checkpoint.last_save_model_only = true"),
+        (["--checkpoint.initial_load_in_hf", "true"], "checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_path set"),
+    ],
+)
+def test_hugging_face_settings_that_cannot_work_are_refused(args: list[str], message: str) -> None:
+    from torchtitan_autoparallel.config import load_config
+    from torchtitan_autoparallel.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(args)
+    assert str(e.value).startswith(message)
+
+
+def test_preflight_refuses_a_folder_without_safetensors(tmp_path: Path, capsys) -> None:
+    from torchtitan_autoparallel.train import preflight
+
+    hf_export = _fake_checkpoint(tmp_path, 2, model_only=True, format="hf")
+    base = ["--ngpu", "1", "--job.config_file", str(LLAMA3_CONFIG), "--job.dump_folder", str(tmp_path / "out"),
+            "--checkpoint.initial_load_path", str(hf_export)]
+    assert preflight.main(base + ["--checkpoint.initial_load_in_hf", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: checkpoint.initial_load_path {str(hf_export)!r} holds no .safetensors file"), err
+    # an HF export read as a DCP checkpoint
+    assert preflight.main(base) == 2
+    err = capsys.readouterr().err
+    assert "holds Hugging Face safetensors; accepted: checkpoint.initial_load_in_hf = true" in err, err

@@ -88,9 +88,11 @@ class Checkpoint:
     # a step folder to start from when folder holds no checkpoint to resume
     initial_load_path: str = ""
     initial_load_model_only: bool = True  # its weights only: step 1, fresh optimizer and data
+    initial_load_in_hf: bool = False  # initial_load_path holds Hugging Face safetensors
     # the save at the last step holds the weights only, in export_dtype (torchtitan's
     # default is true; ours keeps the last checkpoint resumable)
     last_save_model_only: bool = False
+    last_save_in_hf: bool = False  # that save in Hugging Face's names and safetensors
     export_dtype: str = "float32"
 
 

@@ -51,7 +51,7 @@ def validate(c: JobConfig) -> None:
         _at_least("metrics.peak_tflops", c.metrics.peak_tflops, 1e-9)
     _at_least("checkpoint.interval", c.checkpoint.interval, 1)
     _at_least("checkpoint.keep_latest_k", c.checkpoint.keep_latest_k, 0)
-    _choice("checkpoint.export_dtype", c.checkpoint.export_dtype, EXPORT_DTYPES)
+    _validate_checkpoint(c)
     _at_least("profiling.profile_freq", c.profiling.profile_freq, 1)
     _at_least("comm.init_timeout_seconds", c.comm.init_timeout_seconds, 1)
     _at_least("comm.train_timeout_seconds", c.comm.train_timeout_seconds, 1)
@@ -64,6 +64,23 @@ def validate(c: JobConfig) -> None:
     if a.memory_budget_gib is not None:
         _at_least("autoparallel.memory_budget_gib", a.memory_budget_gib, 1e-9)
     _at_least("autoparallel.report_warn_gib", a.report_warn_gib, 0)
+
+
+def _validate_checkpoint(c: JobConfig) -> None:
+    k = c.checkpoint
+    _choice("checkpoint.export_dtype", k.export_dtype, EXPORT_DTYPES)
+    if k.last_save_in_hf and not k.last_save_model_only:
+        raise ConfigError(
+            "checkpoint.last_save_in_hf = true needs checkpoint.last_save_model_only = true "
+            "(Hugging Face safetensors hold the weights only); accepted: both true, or "
+            "last_save_in_hf = false"
+        )
+    if k.initial_load_in_hf and not (k.initial_load_path and k.initial_load_model_only):
+        raise ConfigError(
+            "checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_path set and "
+            "checkpoint.initial_load_model_only = true (Hugging Face safetensors hold the "
+            "weights only); accepted: those, or initial_load_in_hf = false"
+        )
 
 
 def _validate_validation(c: JobConfig) -> None:

@@ -78,7 +78,8 @@ def check_resume(job, family: str) -> None:
     if step is not None:
         read_train_state(job_folder(job), step, wanted)
     elif (path := initial_load_path(job)) is not None:
-        check_initial(path, wanted, job.checkpoint.initial_load_model_only)
+        c = job.checkpoint
+        check_initial(path, wanted, c.initial_load_model_only, c.initial_load_in_hf)
 
 
 def latest_step(folder: Path) -> int | None:
@@ -122,20 +123,31 @@ def save(
     train_state: dict,
     keep_latest_k: int = 0,
     model_only_dtype: torch.dtype | None = None,
+    hf_adapter=None,
 ) -> None:
-    """Save ``step`` (the weights alone, in ``model_only_dtype``, when that is given), then
-    (rank 0) remove what ``keep_latest_k`` no longer keeps (0: nothing)."""
+    """Save ``step`` (the weights alone, in ``model_only_dtype``, when that is given; in
+    Hugging Face's layout too with ``hf_adapter``), then (rank 0) remove what
+    ``keep_latest_k`` no longer keeps (0: nothing)."""
     path = folder / f"step-{step}"
+    kind = ""
     if model_only_dtype is None:
         dcp.save(_state(model, optimizer), checkpoint_id=str(path))
     else:
-        dcp.save({"model": _weights(model, model_only_dtype)}, checkpoint_id=str(path))
-        train_state = {**train_state, "model_only": True, "dtype": str(model_only_dtype).removeprefix("torch.")}
+        dtype = str(model_only_dtype).removeprefix("torch.")
+        weights = _weights(model, model_only_dtype)
+        if hf_adapter is None:
+            dcp.save({"model": weights}, checkpoint_id=str(path))
+        else:
+            from torchtitan_autoparallel.train import hf_checkpoint
+
+            hf_checkpoint.save(path, weights, hf_adapter)
+        layout = "hf" if hf_adapter is not None else "dcp"
+        train_state = {**train_state, "model_only": True, "dtype": dtype, "format": layout}
+        kind = f" (weights only, {dtype}{', Hugging Face safetensors' if hf_adapter is not None else ''})"
     # train_state.json is written last: its presence marks a complete checkpoint.
     if dist.get_rank() == 0:
         (path / "train_state.json").write_text(json.dumps({"step": step, **train_state}))
     dist.barrier()
-    kind = f" (weights only, {train_state['dtype']})" if model_only_dtype is not None else ""
     logger.info(f"saved checkpoint {path}{kind}")
     if keep_latest_k and dist.get_rank() == 0:
         removed = purge_old(folder, keep_latest_k)
@@ -174,13 +186,25 @@ def read_train_state(folder: Path, step: int, model_id: str) -> dict:
     return state
 
 
-def check_initial(path: Path, model_id: str, model_only: bool) -> dict:
+def check_initial(path: Path, model_id: str, model_only: bool, in_hf: bool = False) -> dict | None:
     """The train state of the checkpoint a run starts from, checked as ``read_train_state``;
-    a model-only save serves only for its weights."""
-    state = _read_state(path, model_id, key="checkpoint.initial_load_path")
+    a model-only save serves only for its weights. Hugging Face weights (``in_hf``) need
+    no train state (None: a folder from the Hub)."""
+    key = "checkpoint.initial_load_path"
+    if in_hf:
+        from torchtitan_autoparallel.train import hf_checkpoint
+
+        hf_checkpoint.check_folder(path)
+        return _read_state(path, model_id, key) if (path / "train_state.json").is_file() else None
+    state = _read_state(path, model_id, key)
+    if state.get("format") == "hf":
+        raise CheckpointError(
+            f"{key} {str(path)!r} holds Hugging Face safetensors; accepted: "
+            f"checkpoint.initial_load_in_hf = true"
+        )
     if state.get("model_only") and not model_only:
         raise CheckpointError(
-            f"checkpoint.initial_load_path {str(path)!r} holds the weights only, but "
+            f"{key} {str(path)!r} holds the weights only, but "
             f"checkpoint.initial_load_model_only is false; accepted: initial_load_model_only = "
             f"true, or a full checkpoint"
         )
@@ -211,10 +235,18 @@ def load(folder: Path, step: int, model: nn.Module, optimizer, model_id: str) ->
     return state
 
 
-def load_initial(path: Path, model: nn.Module, optimizer, model_id: str, model_only: bool) -> dict | None:
+def load_initial(
+    path: Path, model: nn.Module, optimizer, model_id: str, model_only: bool, hf_adapter=None
+) -> dict | None:
     """Start from the checkpoint at ``path``: its weights alone (returns None), or with
-    ``model_only`` false everything, as a resume (returns its train state)."""
-    state = check_initial(path, model_id, model_only)
+    ``model_only`` false everything, as a resume (returns its train state). With
+    ``hf_adapter``, ``path`` holds Hugging Face safetensors (weights only)."""
+    state = check_initial(path, model_id, model_only, hf_adapter is not None)
+    if hf_adapter is not None:
+        from torchtitan_autoparallel.train import hf_checkpoint
+
+        hf_checkpoint.load(path, model, hf_adapter)
+        return None
     if not model_only:
         _load_into(path, _state(model, optimizer), model, optimizer)
         logger.info(f"started from checkpoint {path} (step {state['step']}: weights, optimizer and data)")
@@ -235,7 +267,7 @@ def _load_into(path: Path, target: dict, model: nn.Module, optimizer) -> None:
         dcp.load(target, checkpoint_id=str(path))
     except CheckpointException as e:  # a BaseException: one line, not a traceback per rank
         raise CheckpointError(
-            f"checkpoint {path} does not fit this model: {_first_failure(e)}; "
+            f"checkpoint {path} does not fit this model: {first_failure(e)}; "
             f"accepted: a checkpoint of the same model and flavor"
         ) from None
     model.load_state_dict(target["model"])
@@ -244,7 +276,7 @@ def _load_into(path: Path, target: dict, model: nn.Module, optimizer) -> None:
         _check_state_placed_like_params(optimizer)
 
 
-def _first_failure(e: CheckpointException) -> str:
+def first_failure(e: CheckpointException) -> str:
     for failure in e.failures.values():
         exc = failure[0] if isinstance(failure, tuple) else failure
         return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -116,7 +116,8 @@ def train(job: JobConfig, t: Training) -> int:
         saved = checkpoint.load(ckpt_folder, step, t.model, t.optimizer, t.model_id)
     elif (path := checkpoint.initial_load_path(job)) is not None:
         c = job.checkpoint
-        saved = checkpoint.load_initial(path, t.model, t.optimizer, t.model_id, c.initial_load_model_only)
+        hf = _hf_adapter(job) if c.initial_load_in_hf else None
+        saved = checkpoint.load_initial(path, t.model, t.optimizer, t.model_id, c.initial_load_model_only, hf)
     if saved is not None:
         state.step = saved["step"]
         t.dataloader.load_state_dict(saved["data"])
@@ -172,7 +173,15 @@ def _save(job: JobConfig, t: Training, step: int, ckpt_folder) -> None:
     train_state = {"data": t.dataloader.state_dict(), "model_id": t.model_id, "world_size": t.runtime.world_size}
     model_only = c.last_save_model_only and step == job.training.steps
     dtype = getattr(torch, c.export_dtype) if model_only else None
-    checkpoint.save(ckpt_folder, step, t.model, t.optimizer, train_state, c.keep_latest_k, dtype)
+    hf = _hf_adapter(job) if model_only and c.last_save_in_hf else None
+    checkpoint.save(ckpt_folder, step, t.model, t.optimizer, train_state, c.keep_latest_k, dtype, hf)
+
+
+def _hf_adapter(job: JobConfig):
+    from torchtitan_autoparallel.train import hf_checkpoint
+
+    family = get_entry(job.model.name).family
+    return hf_checkpoint.adapter(family, build_model_config(family, job.model.flavor))
 
 
 if __name__ == "__main__":
