@@ -228,3 +228,28 @@ def test_preflight_refuses_a_folder_without_safetensors(tmp_path: Path, capsys) 
     assert preflight.main(base) == 2
     err = capsys.readouterr().err
     assert "holds Hugging Face safetensors; accepted: checkpoint.initial_load_in_hf = true" in err, err
+
+
+def test_a_step_saved_again_leaves_no_files_of_the_old_save(tmp_path: Path) -> None:
+    """A run resumed from before its weights-only last save saves that step in full
+    later: the old save's files (say, an HF export) must not linger in the folder."""
+    import torch.distributed as dist
+    from torch import nn
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already open in this process (a test leaked it)")
+    folder = tmp_path / "ckpt"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = nn.Linear(4, 4)
+        optimizer = torch.optim.AdamW(model.parameters())
+        checkpoint.save(folder, 3, model, optimizer, {"model_id": "m"}, model_only_dtype=torch.bfloat16)
+        stale = folder / "step-3" / "model-00001-of-00001.safetensors"
+        stale.write_bytes(b"from an older export")
+        assert checkpoint.latest_step(folder) is None  # weights only: nothing to resume
+        checkpoint.save(folder, 3, model, optimizer, {"model_id": "m"})
+    finally:
+        dist.destroy_process_group()
+    assert not stale.exists()
+    assert checkpoint.latest_step(folder) == 3
+    assert "model_only" not in json.loads((folder / "step-3" / "train_state.json").read_text())

@@ -129,6 +129,10 @@ def save(
     Hugging Face's layout too with ``hf_adapter``), then (rank 0) remove what
     ``keep_latest_k`` no longer keeps (0: nothing)."""
     path = folder / f"step-{step}"
+    # a step saved before (a resume went back past it, or its weights-only save): start clean
+    if dist.get_rank() == 0 and path.exists():
+        shutil.rmtree(path)
+    dist.barrier()  # on every rank, whatever its file system shows
     kind = ""
     if model_only_dtype is None:
         dcp.save(_state(model, optimizer), checkpoint_id=str(path))
