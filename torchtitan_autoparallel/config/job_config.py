@@ -20,8 +20,8 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama3"
-    flavor: str = "debugmodel"
-    tokenizer_path: str = "default"
+    flavor: str = "debugmodel"  # torchtitan's flavors of the model: debugmodel, 1B, 8B, 70B, ...
+    tokenizer_path: str = "default"  # a tokenizer.json or a folder holding one; default: the shipped one
 
 
 @dataclass
@@ -34,12 +34,13 @@ class Training:
     gc_freq: int = 50  # steps between garbage collections, on every rank at once
     seq_len: int = 256
     seed: int = 0
-    deterministic: bool = False
-    max_norm: float = 1.0
+    deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms)
+    max_norm: float = 1.0  # gradient clipping by global norm
     mixed_precision_param: str = "float32"
     mixed_precision_reduce: str = "float32"
+    # default (the shipped corpus), text, jsonl, or a Hugging Face dataset name (streamed)
     dataset: str = "default"
-    dataset_path: str = ""
+    dataset_path: str = ""  # the text/jsonl file or folder; a Hugging Face dataset's config name
 
 
 @dataclass
@@ -47,8 +48,8 @@ class Parallelism:
     data_parallel_replicate_degree: int = 1
     data_parallel_shard_degree: int = -1  # -1: whatever the other degrees leave
     tensor_parallel_degree: int = 1
-    context_parallel_degree: int = 1
-    pipeline_parallel_degree: int = 1
+    context_parallel_degree: int = 1  # 1 only, for now
+    pipeline_parallel_degree: int = 1  # 1 only, for now
     enable_sequence_parallel: bool = True
 
 
@@ -132,11 +133,11 @@ class ActivationCheckpoint:
 class AutoParallel:
     solver: str = "ilp"
     ilp_backend: str = "highs"
-    time_limit_s: float = 300.0
-    memory_budget_gib: float | None = None
-    overlap: bool = False
-    strided_sharding: bool = False
-    optimality_check: bool = False
+    time_limit_s: float = 300.0  # the solver's; reached, it returns its best plan with a certified gap
+    memory_budget_gib: float | None = None  # parameter memory per device; None: the smallest feasible
+    overlap: bool = False  # price compute/communication overlap in the plan
+    strided_sharding: bool = False  # let FSDP x TP shard one dimension twice (_StridedShard)
+    optimality_check: bool = False  # solve the LP bound too and log the plan's certified gap
     # Run the step as one graph over local tensors, re-traced from the planned
     # interpreter on the first step: no DTensor dispatch per op (execute/compiled.py).
     compile: bool = True
@@ -146,9 +147,9 @@ class AutoParallel:
     # Merge that graph's all-gathers and reduce-scatters into buckets of up to 32 MiB,
     # one call each, as FSDP and DDP do (execute/bucketing.py). Needs compile.
     bucket_collectives: bool = True
-    plan_cache: bool = True
-    cost_profile: str = "auto"
-    export_problem: str = ""
+    plan_cache: bool = True  # reuse a plan (and compiled step) from <dump_folder>/plan_cache
+    cost_profile: str = "auto"  # h100, a100, cpu_gloo, or a calibrated .json profile; auto: by device
+    export_problem: str = ""  # write the solver's problem (.npz) here for solver experiments
     report_warn_gib: float = 1.0  # plan.html warns of gathers materialising more per device
 
 

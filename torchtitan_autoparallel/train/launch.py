@@ -21,6 +21,7 @@ import runpy
 import sys
 
 from torchtitan_autoparallel.config import load_config
+from torchtitan_autoparallel.config.help import help_for, wants_help
 from torchtitan_autoparallel.errors import ConfigError, UserError
 from torchtitan_autoparallel.train import failures
 from torchtitan_autoparallel.train.preflight import check, parse_ngpu
@@ -33,6 +34,9 @@ USAGE = "usage: launch --ngpu N|auto [torchrun options] -- -m MODULE [ARGS...]"
 def main(argv: list[str]) -> int:
     try:
         ngpu_arg, torchrun_args, module, module_args = _split(argv)
+        if module == TRAIN_MODULE and wants_help(module_args):
+            print(help_for(module_args))
+            return 0
         gpus = _gpu_count()
         ngpu = parse_ngpu(ngpu_arg) if ngpu_arg != "auto" else (gpus or CPU_DEFAULT_RANKS)
         if module == TRAIN_MODULE:

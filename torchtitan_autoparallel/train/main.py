@@ -15,6 +15,7 @@ import torch
 
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps, load_config, resolve_degrees
 from torchtitan_autoparallel.config.dump import write_resolved
+from torchtitan_autoparallel.config.help import help_for, wants_help
 from torchtitan_autoparallel.distributed.runtime import (
     Runtime,
     exit_process,
@@ -43,8 +44,12 @@ logger = logging.getLogger("torchtitan_autoparallel")
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[rank%(rank)s] %(asctime)s %(message)s")
     _tag_log_records_with_rank()
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(help_for(argv))
+        return 0
     try:
-        job = load_config(sys.argv[1:] if argv is None else argv)
+        job = load_config(argv)
         return run(job)
     except UserError as e:
         record_user_error(str(e))

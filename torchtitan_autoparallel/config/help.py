@@ -1,0 +1,110 @@
+"""``./run_train.sh --help``: every key a job accepts, with its type, default and meaning.
+
+The meanings are the comments beside (or just above) each field in
+``job_config.py``, read from its source, so the help and the code cannot drift
+apart. With a config file, the value it sets is shown beside the default.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import typing
+from dataclasses import fields
+
+from torchtitan_autoparallel.config.job_config import JobConfig
+from torchtitan_autoparallel.errors import UserError
+
+HELP_FLAGS = ("-h", "--help")
+USAGE = """usage: [NGPU=N] [CONFIG_FILE=job.toml] ./run_train.sh [--section.key value ...]
+
+Every key of the TOML job file can be set on the command line as --section.key value
+(or --section.key=value); the command line wins over the file, the file over the default.
+Environment: NGPU (ranks), CONFIG_FILE, LOG_RANK (ranks whose output is shown),
+COMM_MODE=fake_backend (one process plans for NGPU ranks), CALIBRATE=1 (measure this
+cluster); see the head of run_train.sh and the README."""
+
+_FIELD = re.compile(r"^\s+(\w+):[^=]+=[^#]*(?:#\s*(.*))?$")
+_COMMENT = re.compile(r"^\s+#\s?(.*)$")
+
+
+def wants_help(argv: list[str]) -> bool:
+    return any(a in HELP_FLAGS for a in argv)
+
+
+def help_for(argv: list[str]) -> str:
+    """The help, with the values of the job that ``argv`` (less the help flag) describes;
+    a job that does not load is shown as the defaults alone."""
+    from torchtitan_autoparallel.config.parser import load_config
+
+    try:
+        job = load_config([a for a in argv if a not in HELP_FLAGS])
+    except UserError:
+        job = None
+    return help_text(job)
+
+
+def field_notes(cls: type) -> dict[str, str]:
+    """Field name -> its comment in the class source (the lines above, then the one beside)."""
+    notes: dict[str, str] = {}
+    above: list[str] = []
+    for line in inspect.getsource(cls).splitlines()[1:]:
+        if m := _COMMENT.match(line):
+            above.append(m.group(1).strip())
+        elif m := _FIELD.match(line):
+            if note := " ".join(above + ([m.group(2).strip()] if m.group(2) else [])):
+                notes[m.group(1)] = note
+            above = []
+        else:
+            above = []
+    return notes
+
+
+def help_text(file_values: JobConfig | None = None) -> str:
+    """The usage and every section's keys; ``file_values``: a loaded job, whose values
+    other than the defaults are shown."""
+    defaults = JobConfig()
+    choices = _choices()
+    lines = [USAGE]
+    for section in fields(JobConfig):
+        cls = type(getattr(defaults, section.name))
+        notes = field_notes(cls)
+        hints = typing.get_type_hints(cls)
+        lines += ["", f"[{section.name}]"]
+        for f in fields(cls):
+            default = getattr(defaults, section.name).__dict__[f.name]
+            entry = f"  --{section.name}.{f.name} {_type_name(hints[f.name])} (default {default!r})"
+            if file_values is not None:
+                value = getattr(getattr(file_values, section.name), f.name)
+                if value != default:
+                    entry += f", this job: {value!r}"
+            lines.append(entry)
+            if notes.get(f.name):
+                lines.append(f"      {notes[f.name]}")
+            if accepted := choices.get(f"{section.name}.{f.name}"):
+                lines.append(f"      accepted: {', '.join(accepted)}")
+    return "\n".join(lines)
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    """The keys whose values come from a list, with that list (as the checks use it)."""
+    from torchtitan_autoparallel.config import validate as v
+    from torchtitan_autoparallel.models.registry import MODELS
+
+    return {
+        "model.name": tuple(MODELS),
+        "training.mixed_precision_param": v.DTYPES,
+        "optimizer.name": v.OPTIMIZERS,
+        "lr_scheduler.decay_type": v.DECAY_TYPES,
+        "checkpoint.export_dtype": v.EXPORT_DTYPES,
+        "activation_checkpoint.mode": v.AC_MODES,
+        "autoparallel.solver": v.SOLVERS,
+        "autoparallel.ilp_backend": v.ILP_BACKENDS,
+    }
+
+
+def _type_name(hint) -> str:
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    name = " or ".join(getattr(a, "__name__", str(a)) for a in args)
+    return f"{name} or none" if type(None) in typing.get_args(hint) else name
+
