@@ -116,17 +116,7 @@ def run_manual(job: JobConfig, runtime: Runtime, family: str, model_config, degr
 def train(job: JobConfig, t: Training) -> int:
     state = TrainState()
     ckpt_folder = checkpoint.job_folder(job)
-    saved = None
-    if (step := checkpoint.step_to_load(job)) is not None:
-        saved = checkpoint.load(ckpt_folder, step, t.model, t.optimizer, t.model_id)
-    elif (path := checkpoint.initial_load_path(job)) is not None:
-        c = job.checkpoint
-        hf = _hf_adapter(job) if c.initial_load_in_hf else None
-        saved = checkpoint.load_initial(path, t.model, t.optimizer, t.model_id, c.initial_load_model_only, hf)
-    if saved is not None:
-        state.step = saved["step"]
-        t.dataloader.load_state_dict(saved["data"])
-        t.scheduler = build_lr_scheduler(t.optimizer, job.training.steps, job.lr_scheduler, state.step)
+    _restore(job, t, state, ckpt_folder)
     if t.accumulation_steps > 1:
         logger.info(
             f"gradient accumulation: {t.accumulation_steps} micro-batches of {job.training.local_batch_size} "
@@ -145,6 +135,21 @@ def train(job: JobConfig, t: Training) -> int:
         t.metrics.close()
     logger.info("training finished")
     return 0
+
+
+def _restore(job: JobConfig, t: Training, state: TrainState, ckpt_folder) -> None:
+    """Resume this job's latest checkpoint, or start from ``checkpoint.initial_load_path``."""
+    saved = None
+    if (step := checkpoint.step_to_load(job)) is not None:
+        saved = checkpoint.load(ckpt_folder, step, t.model, t.optimizer, t.model_id)
+    elif (path := checkpoint.initial_load_path(job)) is not None:
+        c = job.checkpoint
+        hf = _hf_adapter(job) if c.initial_load_in_hf else None
+        saved = checkpoint.load_initial(path, t.model, t.optimizer, t.model_id, c.initial_load_model_only, hf)
+    if saved is not None:  # a resume: step, data position and schedule continue
+        state.step = saved["step"]
+        t.dataloader.load_state_dict(saved["data"])
+        t.scheduler = build_lr_scheduler(t.optimizer, job.training.steps, job.lr_scheduler, state.step)
 
 
 def _loop(job: JobConfig, t: Training, state: TrainState, ckpt_folder, per_step: tuple) -> None:
