@@ -253,3 +253,45 @@ def test_a_step_saved_again_leaves_no_files_of_the_old_save(tmp_path: Path) -> N
     assert not stale.exists()
     assert checkpoint.latest_step(folder) == 3
     assert "model_only" not in json.loads((folder / "step-3" / "train_state.json").read_text())
+
+
+def test_a_hub_style_folder_loads(tmp_path: Path) -> None:
+    """What the Hub serves: bfloat16 weights split over two files with an index, no
+    train_state.json. They load into an fp32 model as the bfloat16 values, exactly."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from torchtitan_autoparallel.models.registry import build_model_config
+    from torchtitan_autoparallel.train import hf_checkpoint
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already open in this process (a test leaked it)")
+    config = build_model_config("llama3", "debugmodel")
+    torch.manual_seed(0)
+    source = config.build()
+    source.init_weights(buffer_device=None)
+    adapter = hf_checkpoint.adapter("llama3", config)
+    hf = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in adapter.to_hf(source.state_dict()).items()}
+    keys = sorted(hf)
+    files = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+             "model-00002-of-00002.safetensors": keys[len(keys) // 2 :]}
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    for name, names in files.items():
+        save_file({k: hf[k] for k in names}, str(hub / name), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: name for name, names in files.items() for k in names}}
+    (hub / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert checkpoint.check_initial(hub, "llama3:debugmodel", True, in_hf=True) is None
+
+    torch.manual_seed(1)
+    target = config.build()
+    target.init_weights(buffer_device=None)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        hf_checkpoint.load(hub, target, adapter)
+    finally:
+        dist.destroy_process_group()
+    loaded = target.state_dict()
+    for name, value in source.state_dict().items():
+        assert loaded[name].dtype == torch.float32
+        assert torch.equal(loaded[name], value.to(torch.bfloat16).float()), name
