@@ -251,6 +251,7 @@ def test_bad_enum_values(argv: list[str], match: str) -> None:
         (["--metrics.log_freq", "0"], r"metrics\.log_freq = 0 is too small"),
         (["--checkpoint.interval", "0"], r"checkpoint\.interval = 0 is too small"),
         (["--checkpoint.keep_latest_k", "-1"], r"checkpoint\.keep_latest_k = -1 is too small; accepted: >= 0"),
+        (["--checkpoint.async_mode", "async_with_pinned_mem"], r"checkpoint\.async_mode = 'async_with_pinned_mem' is not accepted; accepted: disabled, async"),
         (["--checkpoint.export_dtype", "int8"], r"checkpoint\.export_dtype = 'int8' is not accepted; accepted: float32, bfloat16, float16"),
         (["--parallelism.tensor_parallel_degree", "0"], r"parallelism\.tensor_parallel_degree = 0 is too small"),
         (["--parallelism.data_parallel_replicate_degree", "0"], r"parallelism\.data_parallel_replicate_degree = 0"),

@@ -1,8 +1,8 @@
 """Starting from another run's checkpoint, and the weights-only last save.
 
-One source run (hand-written FSDP on 1 rank, 4 steps) saves a full checkpoint
-at step 2 and, with ``last_save_model_only``, the bfloat16 weights alone at
-step 4; it validates on its own first training batch after steps 2 and 4, which
+One source run (hand-written FSDP on 1 rank, 4 steps) saves, in the background
+(``async_mode = "async"``), a full checkpoint at step 2 and, with
+``last_save_model_only``, the bfloat16 weights alone at step 4; it validates on its own first training batch after steps 2 and 4, which
 is exactly the loss a run starting from those weights logs at its step 1:
 
 * an automatic plan on 2 ranks starting from the step-2 weights logs that loss
@@ -30,16 +30,21 @@ from torchtitan_autoparallel.train import checkpoint
 LOSS_REL = 1e-4
 BF16_LOSS_REL = 2e-3  # weights rounded to 8 bits of mantissa: measured 1.3e-4 here
 SOURCE_STEPS = 4
-SOURCE = [
-    "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+SOURCE = [  # written in the background: the tests below read what async saves wrote
+    "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async",
     "--checkpoint.last_save_model_only", "true", "--checkpoint.export_dtype", "bfloat16",
     "--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "1",
 ]
 
 
 class Runs(RunCache):
+    source_output = ""
+
     def source(self) -> tuple[list[dict], dict[int, float]]:
-        records = self.get("source", *SOURCE, model="llama3", ngpu=1, steps=SOURCE_STEPS, seq_len=64, local_batch_size=4)
+        if "source" not in self.cache:
+            self.get("source", *SOURCE, model="llama3", ngpu=1, steps=SOURCE_STEPS, seq_len=64, local_batch_size=4)
+            self.source_output = RUNS[-1].stdout + RUNS[-1].stderr
+        records = self.cache["source"]
         train = [r for r in records if "loss" in r]
         return train, {r["step"]: r["validation_loss"] for r in records if "validation_loss" in r}
 
@@ -70,6 +75,7 @@ def _read_dcp(path: Path, scratch: Path) -> dict:
 @pytest.mark.multirank
 def test_last_save_holds_the_weights_alone_in_the_export_dtype(runs: Runs, tmp_path: Path) -> None:
     last = runs.saved(SOURCE_STEPS)
+    assert f"saved checkpoint {last} (weights only, bfloat16) (in the background" in runs.source_output
     assert json.loads((last / "train_state.json").read_text())["model_only"] is True
     state = _read_dcp(last, tmp_path)
     assert sorted(state) == ["model"]
@@ -295,3 +301,35 @@ def test_a_hub_style_folder_loads(tmp_path: Path) -> None:
     for name, value in source.state_dict().items():
         assert loaded[name].dtype == torch.float32
         assert torch.equal(loaded[name], value.to(torch.bfloat16).float()), name
+
+
+def test_a_background_save_writes_what_a_save_at_once_writes(tmp_path: Path) -> None:
+    """The state is copied when the save starts: changing the weights after it does not
+    reach the checkpoint, which is marked complete only by ``wait``."""
+    import torch.distributed as dist
+    from torch import nn
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already open in this process (a test leaked it)")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = nn.Linear(64, 64)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 64)).sum().backward()
+        optimizer.step()
+        checkpoint.save(tmp_path / "now", 1, model, optimizer, {"model_id": "m"})
+        saver = checkpoint.Saver(tmp_path / "later", 0, "async")
+        saver.save(1, model, optimizer, {"model_id": "m"})
+        with torch.no_grad():
+            model.weight.add_(1.0)  # training goes on while the save is written
+        saver.wait()
+        assert saver.pending is None
+    finally:
+        dist.destroy_process_group()
+    now, later = (_read_dcp(tmp_path / kind / "step-1", tmp_path) for kind in ("now", "later"))
+    for section in ("model", "optimizer"):
+        assert sorted(now[section]) == sorted(later[section])
+        for key, value in now[section].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, later[section][key]), (section, key)
+    assert (tmp_path / "later" / "step-1" / "train_state.json").is_file()

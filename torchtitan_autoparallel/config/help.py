@@ -97,6 +97,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "optimizer.name": v.OPTIMIZERS,
         "lr_scheduler.decay_type": v.DECAY_TYPES,
         "checkpoint.export_dtype": v.EXPORT_DTYPES,
+        "checkpoint.async_mode": v.ASYNC_MODES,
         "activation_checkpoint.mode": v.AC_MODES,
         "autoparallel.solver": v.SOLVERS,
         "autoparallel.ilp_backend": v.ILP_BACKENDS,

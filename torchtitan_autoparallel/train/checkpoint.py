@@ -21,6 +21,8 @@ import json
 import logging
 import re
 import shutil
+import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch.distributed as dist
@@ -124,40 +126,93 @@ def save(
     keep_latest_k: int = 0,
     model_only_dtype: torch.dtype | None = None,
     hf_adapter=None,
-) -> None:
+    background: dist.ProcessGroup | None = None,
+) -> PendingSave | None:
     """Save ``step`` (the weights alone, in ``model_only_dtype``, when that is given; in
     Hugging Face's layout too with ``hf_adapter``), then (rank 0) remove what
-    ``keep_latest_k`` no longer keeps (0: nothing)."""
+    ``keep_latest_k`` no longer keeps (0: nothing).
+
+    With ``background`` (a gloo group) the state is copied now and written by a
+    thread while training goes on: the returned ``PendingSave``'s ``wait`` (on
+    every rank) completes it. Hugging Face exports are always written at once.
+    """
     path = folder / f"step-{step}"
     # a step saved before (a resume went back past it, or its weights-only save): start clean
     if dist.get_rank() == 0 and path.exists():
         shutil.rmtree(path)
     dist.barrier()  # on every rank, whatever its file system shows
-    kind = ""
     if model_only_dtype is None:
-        dcp.save(_state(model, optimizer), checkpoint_id=str(path))
+        state, kind = _state(model, optimizer), ""
     else:
         dtype = str(model_only_dtype).removeprefix("torch.")
-        weights = _weights(model, model_only_dtype)
-        if hf_adapter is None:
-            dcp.save({"model": weights}, checkpoint_id=str(path))
-        else:
-            from torchtitan_autoparallel.train import hf_checkpoint
-
-            hf_checkpoint.save(path, weights, hf_adapter)
+        state = {"model": _weights(model, model_only_dtype)}
         layout = "hf" if hf_adapter is not None else "dcp"
         train_state = {**train_state, "model_only": True, "dtype": dtype, "format": layout}
         kind = f" (weights only, {dtype}{', Hugging Face safetensors' if hf_adapter is not None else ''})"
-    # train_state.json is written last: its presence marks a complete checkpoint.
-    if dist.get_rank() == 0:
-        (path / "train_state.json").write_text(json.dumps({"step": step, **train_state}))
-    dist.barrier()
-    logger.info(f"saved checkpoint {path}{kind}")
-    if keep_latest_k and dist.get_rank() == 0:
-        removed = purge_old(folder, keep_latest_k)
-        if removed:
-            names = ", ".join(p.name for p in removed)
-            logger.info(f"removed checkpoint(s) {names} (checkpoint.keep_latest_k = {keep_latest_k})")
+    done = PendingSave(folder, step, {"step": step, **train_state}, keep_latest_k, kind)
+    if hf_adapter is not None:
+        from torchtitan_autoparallel.train import hf_checkpoint
+
+        hf_checkpoint.save(path, state["model"], hf_adapter)
+    elif background is not None:
+        done.future = dcp.async_save(state, checkpoint_id=str(path), process_group=background)
+        return done
+    else:
+        dcp.save(state, checkpoint_id=str(path))
+    done.wait()
+    return None
+
+
+class PendingSave:
+    """A save whose shards are written (or being written); ``wait`` marks it complete."""
+
+    def __init__(self, folder: Path, step: int, train_state: dict, keep_latest_k: int, kind: str) -> None:
+        self.folder, self.step, self.train_state = folder, step, train_state
+        self.keep_latest_k, self.kind = keep_latest_k, kind
+        self.future: Future | None = None  # the background write, if any
+        self.started = time.perf_counter()
+
+    def wait(self) -> None:
+        """On every rank: wait for the write, then write train_state.json and prune."""
+        path = self.folder / f"step-{self.step}"
+        if self.future is not None:
+            try:
+                self.future.result()
+            except Exception as e:  # a full disk, a lost mount: one line, not a thread's traceback
+                raise CheckpointError(f"writing checkpoint {path} failed: {e}") from None
+            self.kind += f" (in the background, {time.perf_counter() - self.started:.1f} s)"
+        # train_state.json is written last: its presence marks a complete checkpoint.
+        if dist.get_rank() == 0:
+            (path / "train_state.json").write_text(json.dumps(self.train_state))
+        dist.barrier()
+        logger.info(f"saved checkpoint {path}{self.kind}")
+        if self.keep_latest_k and dist.get_rank() == 0:
+            removed = purge_old(self.folder, self.keep_latest_k)
+            if removed:
+                names = ", ".join(p.name for p in removed)
+                logger.info(f"removed checkpoint(s) {names} (checkpoint.keep_latest_k = {self.keep_latest_k})")
+
+
+class Saver:
+    """A run's checkpoint writer. With ``async_mode = "async"`` each save is written in
+    the background (one at a time: the next save, and the end of training, wait for it)."""
+
+    def __init__(self, folder: Path, keep_latest_k: int, async_mode: str) -> None:
+        self.folder, self.keep_latest_k = folder, keep_latest_k
+        # async saves run their collectives on a gloo group of their own (NCCL cannot)
+        self.group = dist.new_group(backend="gloo") if async_mode == "async" else None
+        self.pending: PendingSave | None = None
+
+    def save(self, step: int, model: nn.Module, optimizer, train_state: dict, **kwargs) -> None:
+        self.wait()
+        self.pending = save(
+            self.folder, step, model, optimizer, train_state, self.keep_latest_k, background=self.group, **kwargs
+        )
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait()
 
 
 def purge_old(folder: Path, keep: int) -> list[Path]:

@@ -127,7 +127,7 @@ def train(job: JobConfig, t: Training) -> int:
             StepProfiler(job, t.runtime.rank, t.runtime.device, first_step=state.step + 1) as profiler,
             ScheduledGC(job.training.gc_freq) as collector,
         ):
-            _loop(job, t, state, ckpt_folder, (profiler, collector))
+            _loop(job, t, state, _saver(job, ckpt_folder), (profiler, collector))
     except KeyboardInterrupt:
         logger.info(f"interrupted in step {state.step}")
         raise
@@ -152,7 +152,12 @@ def _restore(job: JobConfig, t: Training, state: TrainState, ckpt_folder) -> Non
         t.scheduler = build_lr_scheduler(t.optimizer, job.training.steps, job.lr_scheduler, state.step)
 
 
-def _loop(job: JobConfig, t: Training, state: TrainState, ckpt_folder, per_step: tuple) -> None:
+def _saver(job: JobConfig, ckpt_folder) -> checkpoint.Saver | None:
+    c = job.checkpoint
+    return checkpoint.Saver(ckpt_folder, c.keep_latest_k, c.async_mode) if c.enable else None
+
+
+def _loop(job: JobConfig, t: Training, state: TrainState, saver, per_step: tuple) -> None:
     """The steps; ``per_step``: what is told of each finished step (``step(n)``)."""
     data = iter(t.dataloader)
     first = state.step + 1
@@ -168,23 +173,25 @@ def _loop(job: JobConfig, t: Training, state: TrainState, ckpt_folder, per_step:
             t.metrics.log(state.step, t.global_loss(loss), float(grad_norm), lr)
         if t.validator is not None and t.validator.due(state.step):
             t.metrics.log_validation(t.validator.run(t, state.step))
-        if _saves(job, state.step):
-            _save(job, t, state.step, ckpt_folder)
+        if saver is not None and _saves(job, state.step):
+            _save(job, t, state.step, saver)
+    if saver is not None:
+        saver.wait()  # a save still being written in the background
 
 
 def _saves(job: JobConfig, step: int) -> bool:
     """Every ``interval`` steps and at the last step, as torchtitan."""
     c = job.checkpoint
-    return c.enable and (step % c.interval == 0 or step == job.training.steps)
+    return step % c.interval == 0 or step == job.training.steps
 
 
-def _save(job: JobConfig, t: Training, step: int, ckpt_folder) -> None:
+def _save(job: JobConfig, t: Training, step: int, saver: checkpoint.Saver) -> None:
     c = job.checkpoint
     train_state = {"data": t.dataloader.state_dict(), "model_id": t.model_id, "world_size": t.runtime.world_size}
     model_only = c.last_save_model_only and step == job.training.steps
     dtype = getattr(torch, c.export_dtype) if model_only else None
     hf = _hf_adapter(job) if model_only and c.last_save_in_hf else None
-    checkpoint.save(ckpt_folder, step, t.model, t.optimizer, train_state, c.keep_latest_k, dtype, hf)
+    saver.save(step, t.model, t.optimizer, train_state, model_only_dtype=dtype, hf_adapter=hf)
 
 
 def _hf_adapter(job: JobConfig):
