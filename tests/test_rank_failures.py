@@ -4,6 +4,7 @@ rank's exit status, and no torchrun traceback (``train/failures.py``)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -82,6 +83,30 @@ def test_infeasible_budget_on_real_ranks_is_one_error_line(tmp_path: Path) -> No
     assert "smallest feasible budget is" in errors[0], errors[0]
     assert run.stderr.rstrip().splitlines()[-1] == errors[0]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("model", ["llama3", "llama3_auto_parallel"])
+def test_a_diverged_run_stops_in_one_line(tmp_path: Path, model: str) -> None:
+    """A learning rate of 1e30 makes every weight overflow in step 1: step 2's loss is
+    NaN on every rank, and the run stops there instead of training on."""
+    dump = tmp_path / "out"
+    run = run_launcher(
+        ["--model.name", model, "--job.dump_folder", dump, "--optimizer.lr", "1e30",
+         "--training.steps", "5", "--training.seq_len", "32", "--training.local_batch_size", "1",
+         "--metrics.peak_tflops", "1", "--metrics.enable_tensorboard", "false"],
+        ngpu=2, timeout=300,
+    )
+    assert run.returncode == failures.USER_ERROR_EXIT, run.tail()
+    assert "Traceback" not in run.stdout + run.stderr, run.tail()
+    errors = _error_lines(run.stdout + run.stderr)
+    assert len(errors) == 1 and errors[0].startswith("error: training diverged at step "), run.tail()
+    assert "optimizer.lr (1e+30)" in errors[0], errors[0]
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    # logged up to the first step whose loss or norm is not finite, and no further
+    assert records[0]["step"] == 1 and math.isfinite(records[0]["loss"])
+    last = records[-1]
+    assert not (math.isfinite(last["loss"]) and math.isfinite(last["grad_norm"]))
+    assert f"at step {last['step']}:" in errors[0] and last["step"] < 5
 
 
 def test_calibration_bad_input_through_the_launcher_is_one_line() -> None:

@@ -7,3 +7,8 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     pass
+
+
+class TrainingDiverged(UserError):
+    """The loss or gradient norm stopped being finite: the run cannot go on usefully.
+    Reported as bad input is (one line, exit status 2): the fix is in the settings."""

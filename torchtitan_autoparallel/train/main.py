@@ -7,6 +7,7 @@ one ``error:`` line and exit status 2, never a traceback.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from datetime import timedelta
@@ -24,7 +25,7 @@ from torchtitan_autoparallel.distributed.runtime import (
     shutdown,
     startup_timeout,
 )
-from torchtitan_autoparallel.errors import UserError
+from torchtitan_autoparallel.errors import TrainingDiverged, UserError
 from torchtitan_autoparallel.models.registry import build_model_config, get_entry
 from torchtitan_autoparallel.train import checkpoint
 from torchtitan_autoparallel.train.failures import INTERRUPTED_EXIT, USER_ERROR_EXIT, record_user_error
@@ -152,6 +153,21 @@ def _restore(job: JobConfig, t: Training, state: TrainState, ckpt_folder) -> Non
         t.scheduler = build_lr_scheduler(t.optimizer, job.training.steps, job.lr_scheduler, state.step)
 
 
+def _check_finite(job: JobConfig, step: int, loss: float, grad_norm: float) -> None:
+    """Stop a run whose loss or gradient norm is no longer finite (the same on every
+    rank: both are global), rather than train on NaN weights."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    saved = checkpoint.latest_step(checkpoint.job_folder(job)) if job.checkpoint.enable else None
+    resume = f"resume from checkpoint step-{saved}" if saved is not None else "restart"
+    raise TrainingDiverged(
+        f"training diverged at step {step}: loss {loss}, grad_norm {grad_norm}, so the weights "
+        f"are no longer usable; accepted: {resume} with a smaller optimizer.lr "
+        f"({job.optimizer.lr}), a longer lr_scheduler.warmup_steps ({job.lr_scheduler.warmup_steps}) "
+        f"or a smaller training.max_norm ({job.training.max_norm})"
+    )
+
+
 def _saver(job: JobConfig, ckpt_folder) -> checkpoint.Saver | None:
     c = job.checkpoint
     return checkpoint.Saver(ckpt_folder, c.keep_latest_k, c.async_mode) if c.enable else None
@@ -170,7 +186,9 @@ def _loop(job: JobConfig, t: Training, state: TrainState, saver, per_step: tuple
         for hook in per_step:
             hook.step(state.step)
         if state.step % job.metrics.log_freq == 0 or state.step == job.training.steps:
-            t.metrics.log(state.step, t.global_loss(loss), float(grad_norm), lr)
+            global_loss, norm = t.global_loss(loss), float(grad_norm)
+            t.metrics.log(state.step, global_loss, norm, lr)
+            _check_finite(job, state.step, global_loss, norm)
         if t.validator is not None and t.validator.due(state.step):
             t.metrics.log_validation(t.validator.run(t, state.step))
         if saver is not None and _saves(job, state.step):
