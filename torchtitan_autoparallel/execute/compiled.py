@@ -14,9 +14,12 @@ bitwise those of the interpreter (checked by the tests through the losses).
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import fx
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -47,12 +50,14 @@ def trace_local_graph(planned: PlannedStep, tokens: DTensor, labels: DTensor) ->
         return make_fx(local_step, tracing_mode="real")(*(t.to_local() for t in templates))
 
 
-def run_local_graph(planned: PlannedStep, tokens: DTensor, labels: DTensor) -> StepOutput:
-    """Run ``planned.local_graph`` and wrap its results with the planned placements."""
+def run_local_graph(planned: PlannedStep, tokens: DTensor, labels: DTensor, loss_only: bool = False) -> StepOutput:
+    """Run ``planned.local_graph`` (``loss_graph`` with ``loss_only``: no gradients) and
+    wrap its results with the planned placements."""
     assert planned.local_graph is not None
     inputs = planned.inputs(tokens, labels)
+    graph = planned.loss_graph() if loss_only else planned.local_graph
     with torch.no_grad():
-        outs = planned.local_graph(*(t.to_local() for t in inputs))
+        outs = graph(*(t.to_local() for t in inputs))
     loss_node = planned.traced.loss
     loss_val = loss_node.meta["val"]
     loss = DTensor.from_local(
@@ -63,11 +68,82 @@ def run_local_graph(planned: PlannedStep, tokens: DTensor, labels: DTensor) -> S
         shape=loss_val.shape,
         stride=loss_val.stride(),
     )
+    if loss_only:
+        return StepOutput(loss, {})
     grads = {
         fqn: DTensor.from_local(local, planned.mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
         for (fqn, p), local in zip(planned.params.items(), outs[1:])
     }
     return StepOutput(loss, grads)
+
+
+def loss_only_graph(
+    gm: fx.GraphModule, agree: Callable[[frozenset[int]], frozenset[int]] | None = None
+) -> fx.GraphModule:
+    """A copy of a local step graph that returns the loss alone, without what only the
+    gradients need: the forward, for validation.
+
+    fx's own dead-code pass keeps every ``wait_tensor`` (it counts as a side
+    effect), and with it the backward's collectives and everything they read; a
+    wait whose result nothing reads is dropped here, and so its collective.
+
+    The ranks' graphs differ in rank-dependent details (which rank keeps a
+    value, which zeroes it), so a collective could be dead on one rank and live
+    on another, and the ranks would then wait on each other forever. ``agree``
+    (``union_over_ranks``) returns the union over the ranks of the collectives
+    (by position) each keeps; those are kept everywhere, until no rank needs
+    another.
+    """
+    agree = agree or (lambda kept: kept)
+    union = agree(_prune(gm, frozenset())[1])
+    while True:
+        pruned, kept = _prune(gm, union)
+        grown = agree(kept)
+        if grown == union:  # the same on every rank: all stop in the same round
+            return pruned
+        union = grown
+
+
+def union_over_ranks(kept: frozenset[int]) -> frozenset[int]:
+    """The collectives (by position) any rank keeps."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return kept
+    everyone: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(kept))
+    return frozenset(i for theirs in everyone for i in theirs or ())
+
+
+def _prune(gm: fx.GraphModule, keep: frozenset[int]) -> tuple[fx.GraphModule, frozenset[int]]:
+    """``gm`` returning its loss alone, less every node that does not lead to it or to
+    the collectives at positions ``keep``; also the positions of the collectives left."""
+    loss_gm = copy.deepcopy(gm)
+    graph = loss_gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    output.args = ((output.args[0][0],),)
+    collectives = [n for n in graph.nodes if _is_collective(n)]
+    kept = {collectives[i] for i in keep}
+    erased: set[fx.Node] = set()
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node.users or node in kept:
+            continue
+        if _is_wait(node):
+            if node.args and node.args[0] in kept:
+                continue
+        elif node.is_impure():
+            continue
+        graph.erase_node(node)
+        erased.add(node)
+    graph.lint()
+    loss_gm.recompile()
+    return loss_gm, frozenset(i for i, n in enumerate(collectives) if n not in erased)
+
+
+def _is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and "wait_tensor" in str(node.target)
+
+
+def _is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and str(node.target).startswith(_COLLECTIVE_NAMESPACES) and not _is_wait(node)
 
 
 def graph_collectives(gm: fx.GraphModule) -> Counter:
@@ -76,9 +152,9 @@ def graph_collectives(gm: fx.GraphModule) -> Counter:
 
     counts: Counter = Counter()
     for node in gm.graph.nodes:
-        name = str(node.target)
-        if node.op != "call_function" or not name.startswith(_COLLECTIVE_NAMESPACES) or "wait" in name:
+        if not _is_collective(node):
             continue
+        name = str(node.target)
         counts[next((k for k in KINDS if k in name), name)] += 1
     return counts
 

@@ -61,6 +61,8 @@ class PlannedStep:
     # ``compile`` first merges the graph's all-gathers and reduce-scatters into buckets (bucketing.py).
     bucket_collectives: bool = False
     bucket_stats: BucketStats | None = None  # calls before and after merging
+    # (local_graph, its loss-only copy), made by ``loss_graph``
+    _loss_graph: tuple[fx.GraphModule, fx.GraphModule] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mesh.device_type != "cpu" or self.portable_kernels:
@@ -85,6 +87,27 @@ class PlannedStep:
         labels = self._from_local(local_labels, self.traced.labels, self.labels_placements)
         out = self.run_graph(tokens, labels)
         return _report_loss(out.loss), out.grads
+
+    def loss_local(self, local_tokens: torch.Tensor, local_labels: torch.Tensor) -> torch.Tensor:
+        """The loss alone, as ``step_local`` reports it (validation). Compiled, the graph
+        runs without its backward (``compiled.loss_only_graph``); interpreted, the
+        whole step runs and its gradients are dropped."""
+        if self.local_graph is None:
+            return self.step_local(local_tokens, local_labels)[0]
+        from torchtitan_autoparallel.execute.compiled import run_local_graph
+
+        tokens = self._from_local(local_tokens, self.traced.tokens, self.tokens_placements)
+        labels = self._from_local(local_labels, self.traced.labels, self.labels_placements)
+        return _report_loss(run_local_graph(self, tokens, labels, loss_only=True).loss)
+
+    def loss_graph(self) -> fx.GraphModule:
+        """``local_graph`` without the backward; derived once, on first use, by every rank
+        together (they agree on the collectives it keeps)."""
+        from torchtitan_autoparallel.execute.compiled import loss_only_graph, union_over_ranks
+
+        if self._loss_graph is None or self._loss_graph[0] is not self.local_graph:
+            self._loss_graph = (self.local_graph, loss_only_graph(self.local_graph, union_over_ranks))
+        return self._loss_graph[1]
 
     def run_graph(self, tokens: DTensor, labels: DTensor) -> StepOutput:
         """One forward+backward; every collective it runs is one the plan priced.

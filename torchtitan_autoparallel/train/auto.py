@@ -162,6 +162,7 @@ class AutoTraining(Training):
     """A training run whose step is the planned program (``execute/``)."""
 
     planned: object = None  # execute.step.PlannedStep
+    validation_graph_logged: bool = False
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, float]:
         from torchtitan_autoparallel.execute.optim import optimizer_step
@@ -223,8 +224,23 @@ class AutoTraining(Training):
         self.metrics.use_compiled_graph(cost, profile)
 
     def validation_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The planned step's loss (the global mean); its gradients are dropped."""
-        return self._micro_step(batch)[0]
+        """The planned step's loss (the global mean), without its backward when compiled."""
+        inputs, labels = (x.to(self.runtime.device) for x in batch)
+        if self.job.autoparallel.compile and self.planned.local_graph is None:
+            self._compile(inputs, labels)
+        if self.planned.local_graph is not None and not self.validation_graph_logged:
+            self._log_validation_graph()
+        return self.planned.loss_local(inputs, labels)
+
+    def _log_validation_graph(self) -> None:
+        from torchtitan_autoparallel.execute.compiled import graph_collectives
+
+        full, forward = self.planned.local_graph, self.planned.loss_graph()
+        logger.info(
+            f"validation runs the compiled step without its backward: {len(forward.graph.nodes)} of "
+            f"{len(full.graph.nodes)} nodes; collectives {dict(sorted(graph_collectives(forward).items()))}"
+        )
+        self.validation_graph_logged = True
 
     def global_loss(self, local_loss: torch.Tensor) -> float:
         return float(local_loss)  # the planned step already reduces the loss

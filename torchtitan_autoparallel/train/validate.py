@@ -5,9 +5,10 @@ Every validation reads the same batches (the loader is rewound to its start),
 so its losses are comparable across steps. Batches have the training step's
 shape (``local_batch_size`` x ``seq_len`` per data-parallel rank): a planned
 step is planned for that shape, so the automatic path computes the loss with
-the planned step itself and discards its gradients (a validation batch costs
-one training step's compute, and changes nothing). The hand-written path runs
-the forward only, under ``no_grad``.
+the compiled planned step less what only the gradients need
+(``execute.compiled.loss_only_graph``; interpreted, the whole step runs and
+its gradients are dropped). The hand-written path runs the forward only,
+under ``no_grad``.
 
 Validation time is kept out of the step timings (tokens/s, MFU, the plan
 check): ``MetricsLogger.log_validation`` moves their clocks past it.
