@@ -67,6 +67,16 @@ def test_crash_on_a_shown_rank_is_not_repeated() -> None:
 
 
 @pytest.mark.multirank
+def _the_one_error_line(run) -> str:
+    """A job stopped for bad input: exit status 2, no traceback, and one ``error:`` line, its last."""
+    assert run.returncode == failures.USER_ERROR_EXIT, run.tail()
+    assert "Traceback" not in run.stdout + run.stderr, run.tail()
+    errors = _error_lines(run.stdout + run.stderr)
+    assert len(errors) == 1 and errors[0].startswith("error: "), run.tail()
+    assert run.stderr.rstrip().splitlines()[-1] == errors[0]
+    return errors[0]
+
+
 def test_infeasible_budget_on_real_ranks_is_one_error_line(tmp_path: Path) -> None:
     """Found while planning, after torchrun started the ranks (the fake-backend
     run of ``test_auto_plan`` never reaches torchrun)."""
@@ -75,13 +85,9 @@ def test_infeasible_budget_on_real_ranks_is_one_error_line(tmp_path: Path) -> No
          "--autoparallel.memory_budget_gib", "0.0001"],
         ngpu=2, timeout=300,
     )
-    assert run.returncode == failures.USER_ERROR_EXIT, run.tail()
-    assert "Traceback" not in run.stdout + run.stderr, run.tail()
-    errors = _error_lines(run.stdout + run.stderr)
-    assert len(errors) == 1 and errors[0].startswith("error: "), run.tail()
-    assert "memory_budget_gib = 0.0001" in errors[0], errors[0]
-    assert "smallest feasible budget is" in errors[0], errors[0]
-    assert run.stderr.rstrip().splitlines()[-1] == errors[0]
+    error = _the_one_error_line(run)
+    assert "memory_budget_gib = 0.0001" in error, error
+    assert "smallest feasible budget is" in error, error
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
@@ -96,17 +102,15 @@ def test_a_diverged_run_stops_in_one_line(tmp_path: Path, model: str) -> None:
          "--metrics.peak_tflops", "1", "--metrics.enable_tensorboard", "false"],
         ngpu=2, timeout=300,
     )
-    assert run.returncode == failures.USER_ERROR_EXIT, run.tail()
-    assert "Traceback" not in run.stdout + run.stderr, run.tail()
-    errors = _error_lines(run.stdout + run.stderr)
-    assert len(errors) == 1 and errors[0].startswith("error: training diverged at step "), run.tail()
-    assert "optimizer.lr (1e+30)" in errors[0], errors[0]
+    error = _the_one_error_line(run)
+    assert error.startswith("error: training diverged at step "), error
+    assert "optimizer.lr (1e+30)" in error, error
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     # logged up to the first step whose loss or norm is not finite, and no further
     assert records[0]["step"] == 1 and math.isfinite(records[0]["loss"])
     last = records[-1]
     assert not (math.isfinite(last["loss"]) and math.isfinite(last["grad_norm"]))
-    assert f"at step {last['step']}:" in errors[0] and last["step"] < 5
+    assert f"at step {last['step']}:" in error and last["step"] < 5
 
 
 def test_calibration_bad_input_through_the_launcher_is_one_line() -> None:
