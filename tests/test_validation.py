@@ -172,3 +172,28 @@ def test_preflight_refuses_a_missing_validation_file(tmp_path: Path, capsys) -> 
     err = capsys.readouterr().err
     assert err == f"error: validation.dataset_path {str(missing)!r} does not exist; accepted: a text file or a folder of them\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_hand_written_plan_validates_at_its_own_shape(tmp_path: Path) -> None:
+    validator = _validator(tmp_path, "--validation.steps", "2", "--validation.seq_len", "8",
+                           "--validation.local_batch_size", "3")
+    fake = _Recorder()
+    validator.run(fake, 1)
+    assert [tuple(x.shape) for x in fake.seen] == [(3, 8), (3, 8)]
+
+
+@pytest.mark.parametrize("key,value", [("seq_len", "128"), ("local_batch_size", "2")])
+def test_a_planned_model_refuses_another_validation_shape(tmp_path: Path, capsys, key: str, value: str) -> None:
+    from torchtitan_autoparallel.train import preflight
+
+    argv = ["--ngpu", "2", "--job.config_file", str(LLAMA3_CONFIG), "--job.dump_folder", str(tmp_path / "out"),
+            "--model.name", "llama3_auto_parallel", "--validation.enable", "true", f"--validation.{key}", value]
+    assert preflight.main(argv) == 2
+    trained = {"seq_len": 256, "local_batch_size": 4}[key]
+    assert capsys.readouterr().err == (
+        f"error: validation.{key} = {value} differs from training.{key} = {trained}, and model.name = "
+        f"'llama3_auto_parallel' validates with the step planned for the training shape; accepted: -1 or {trained}\n"
+    )
+    same = argv[:-1] + [str(trained)]  # the training value itself is fine, and so is a hand-written plan
+    assert preflight.main(same) == 0
+    assert preflight.main(argv[:6] + ["--model.name", "llama3"] + argv[8:]) == 0

@@ -119,11 +119,14 @@ class Profiling:
 @dataclass
 class Validation:
     enable: bool = False
-    dataset: str = "default"  # as training.dataset; batches have the training step's shape
+    dataset: str = "default"  # as training.dataset
     dataset_path: str = ""
     freq: int = 10  # validate after step 1 and every freq-th step, as torchtitan
     # batches per validation; -1: one pass over a local dataset (default, text, jsonl)
     steps: int = 10
+    # -1: training's; a planned model validates at the shape it was planned for only
+    local_batch_size: int = -1
+    seq_len: int = -1
 
 
 @dataclass

@@ -88,6 +88,10 @@ def _validate_checkpoint(c: JobConfig) -> None:
 def _validate_validation(c: JobConfig) -> None:
     v = c.validation
     _at_least("validation.freq", v.freq, 1)
+    if v.local_batch_size != -1:
+        _at_least("validation.local_batch_size", v.local_batch_size, 1)
+    if v.seq_len != -1:
+        _at_least("validation.seq_len", v.seq_len, 2)
     if v.steps != -1:
         _at_least("validation.steps", v.steps, 1)
     if v.enable and v.steps == -1 and v.dataset not in LOCAL_DATASETS:
@@ -147,3 +151,26 @@ def accumulation_steps(c: JobConfig, degrees: tuple[int, int, int]) -> int:
             f"({degrees[0] * degrees[1]}) = {micro}; accepted: -1 or a multiple of {micro}"
         )
     return t.global_batch_size // micro
+
+
+def validation_shape(c: JobConfig) -> tuple[int, int]:
+    """(local batch, sequence length) of the validation batches (-1: training's)."""
+    v, t = c.validation, c.training
+    return (
+        t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size,
+        t.seq_len if v.seq_len == -1 else v.seq_len,
+    )
+
+
+def check_planned_validation_shape(c: JobConfig) -> None:
+    """A planned step runs the batch shape it was planned for: validation must use it."""
+    if not c.validation.enable:
+        return
+    t = c.training
+    for key, value, trained in zip(("local_batch_size", "seq_len"), validation_shape(c), (t.local_batch_size, t.seq_len)):
+        if value != trained:
+            raise ConfigError(
+                f"validation.{key} = {value} differs from training.{key} = {trained}, and model.name = "
+                f"{c.model.name!r} validates with the step planned for the training shape; "
+                f"accepted: -1 or {trained}"
+            )

@@ -16,6 +16,7 @@ import torch
 
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps, load_config, resolve_degrees
 from torchtitan_autoparallel.config.dump import write_resolved
+from torchtitan_autoparallel.config.validate import check_planned_validation_shape
 from torchtitan_autoparallel.config.help import help_for, wants_help
 from torchtitan_autoparallel.distributed.runtime import (
     Runtime,
@@ -79,6 +80,8 @@ def run(job: JobConfig) -> int:
     runtime = init_runtime(os.environ.get("COMM_MODE", ""), startup)
     degrees = resolve_degrees(job, runtime.world_size)
     accumulation_steps(job, degrees)  # before planning: refuse a bad batch early
+    if entry.auto_parallel:
+        check_planned_validation_shape(job)
     model_config = build_model_config(entry.family, job.model.flavor)
     check_model_fits_mesh(model_config, degrees)
     checkpoint.check_resume(job, entry.family)  # before planning: refuse early, write nothing

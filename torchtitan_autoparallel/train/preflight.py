@@ -14,6 +14,7 @@ from pathlib import Path
 
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps, load_config, resolve_degrees
 from torchtitan_autoparallel.config.job_config import AutoParallel
+from torchtitan_autoparallel.config.validate import check_planned_validation_shape
 from torchtitan_autoparallel.errors import ConfigError, UserError
 
 
@@ -29,6 +30,7 @@ def check(job: JobConfig, ngpu: int) -> None:
     check_model_fits_mesh(build_model_config(entry.family, job.model.flavor), degrees)
     if entry.auto_parallel:
         _check_cost_profile(job.autoparallel.cost_profile)
+        check_planned_validation_shape(job)
     else:
         _warn_unused_planner_settings(job)
     checkpoint.check_resume(job, entry.family)

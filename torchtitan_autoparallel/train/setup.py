@@ -221,8 +221,10 @@ def build_data(
     dp_degree: int,
     dataset: str | None = None,
     dataset_path: str | None = None,
+    shape: tuple[int, int] | None = None,
 ):
-    """This rank's loader of ``dataset`` (default: ``training.dataset``) at the training batch shape."""
+    """This rank's loader of ``dataset`` (default: ``training.dataset``) at ``shape``
+    (local batch, sequence length; default: the training step's)."""
     from torchtitan_autoparallel.data.dataset import build_dataloader
     from torchtitan_autoparallel.data.tokenizer import load_tokenizer
 
@@ -238,8 +240,8 @@ def build_data(
         tokenizer,
         dataset=t.dataset if dataset is None else dataset,
         dataset_path=t.dataset_path if dataset is None else dataset_path,
-        seq_len=t.seq_len,
-        local_batch_size=t.local_batch_size,
+        seq_len=t.seq_len if shape is None else shape[1],
+        local_batch_size=t.local_batch_size if shape is None else shape[0],
         dp_rank=dp_rank,
         dp_degree=dp_degree,
         seed=t.seed,

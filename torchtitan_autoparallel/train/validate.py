@@ -3,8 +3,9 @@ batches, after step 1 and after every ``validation.freq``-th step.
 
 Every validation reads the same batches (the loader is rewound to its start),
 so its losses are comparable across steps. Batches have the training step's
-shape (``local_batch_size`` x ``seq_len`` per data-parallel rank): a planned
-step is planned for that shape, so the automatic path computes the loss with
+shape (``local_batch_size`` x ``seq_len`` per data-parallel rank) unless
+``[validation]`` sets its own for a hand-written plan: a planned step is
+planned for one shape, so the automatic path computes the loss with
 the compiled planned step less what only the gradients need
 (``execute.compiled.loss_only_graph``; interpreted, the whole step runs and
 its gradients are dropped). The hand-written path runs the forward only,
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan_autoparallel.config import JobConfig
+from torchtitan_autoparallel.config.validate import validation_shape
 from torchtitan_autoparallel.errors import ConfigError
 
 logger = logging.getLogger("torchtitan_autoparallel")
@@ -72,10 +74,11 @@ def build_validator(job: JobConfig, model_config, dp_rank: int, dp_degree: int) 
             "validation reads the training dataset: its loss is not a held-out loss "
             "(set validation.dataset and validation.dataset_path to other data)"
         )
-    loader = build_data(job, model_config, dp_rank, dp_degree, v.dataset, v.dataset_path)
+    shape = validation_shape(job)
+    loader = build_data(job, model_config, dp_rank, dp_degree, v.dataset, v.dataset_path, shape)
     batches = v.steps if v.steps != -1 else _batches_per_pass(loader, v.dataset_path or v.dataset)
     logger.info(
-        f"validation: {batches} batch(es) of {loader.global_batch_size} x {t.seq_len} tokens "
+        f"validation: {batches} batch(es) of {loader.global_batch_size} x {loader.seq_len} tokens "
         f"after step 1 and every {v.freq} steps"
     )
     return Validator(loader, batches, v.freq)
