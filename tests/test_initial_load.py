@@ -333,3 +333,18 @@ def test_a_background_save_writes_what_a_save_at_once_writes(tmp_path: Path) -> 
             if isinstance(value, torch.Tensor):
                 assert torch.equal(value, later[section][key]), (section, key)
     assert (tmp_path / "later" / "step-1" / "train_state.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "args,steps",
+    [
+        ([], [3, 6, 7]),  # every interval, and the last step
+        (["--checkpoint.enable_first_step_checkpoint", "true"], [1, 3, 6, 7]),
+    ],
+)
+def test_which_steps_save(args: list[str], steps: list[int]) -> None:
+    from torchtitan_autoparallel.config import load_config
+    from torchtitan_autoparallel.train.main import _saves
+
+    job = load_config(["--checkpoint.enable", "true", "--checkpoint.interval", "3", "--training.steps", "7", *args])
+    assert [s for s in range(1, 8) if _saves(job, s)] == steps

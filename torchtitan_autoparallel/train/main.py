@@ -201,9 +201,9 @@ def _loop(job: JobConfig, t: Training, state: TrainState, saver, per_step: tuple
 
 
 def _saves(job: JobConfig, step: int) -> bool:
-    """Every ``interval`` steps and at the last step, as torchtitan."""
+    """Every ``interval`` steps, at the last step, and after the first if asked, as torchtitan."""
     c = job.checkpoint
-    return step % c.interval == 0 or step == job.training.steps
+    return step % c.interval == 0 or step == job.training.steps or (step == 1 and c.enable_first_step_checkpoint)
 
 
 def _save(job: JobConfig, t: Training, step: int, saver: checkpoint.Saver) -> None:
