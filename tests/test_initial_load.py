@@ -348,3 +348,41 @@ def test_which_steps_save(args: list[str], steps: list[int]) -> None:
 
     job = load_config(["--checkpoint.enable", "true", "--checkpoint.interval", "3", "--training.steps", "7", *args])
     assert [s for s in range(1, 8) if _saves(job, s)] == steps
+
+
+def test_a_saved_checkpoint_converts_to_hugging_face_safetensors(tmp_path: Path, capsys) -> None:
+    """``python -m torchtitan_autoparallel.train.to_hf``: a DCP checkpoint's weights under
+    HF names, in the asked dtype; bad input is one line."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from torchtitan_autoparallel.models.registry import build_model_config
+    from torchtitan_autoparallel.train import hf_checkpoint, to_hf
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already open in this process (a test leaked it)")
+    config = build_model_config("qwen3", "debugmodel")  # tied embeddings: lm_head is not written
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_weights(buffer_device=None)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        optimizer = torch.optim.AdamW(model.parameters())
+        checkpoint.save(tmp_path / "ckpt", 5, model, optimizer, {"model_id": "qwen3:debugmodel"})
+    finally:
+        dist.destroy_process_group()
+    expected = hf_checkpoint.adapter("qwen3", config).to_hf(model.state_dict())
+
+    assert to_hf.main([str(tmp_path / "ckpt" / "step-5"), str(tmp_path / "hf"), "--dtype", "bfloat16"]) == 0
+    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(written) == sorted(expected) and "lm_head.weight" not in written
+    for name, value in expected.items():
+        assert written[name].dtype == torch.bfloat16
+        assert torch.equal(written[name], value.to(torch.bfloat16)), name
+
+    capsys.readouterr()
+    assert to_hf.main([str(tmp_path / "nowhere"), str(tmp_path / "hf2")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {str(tmp_path / 'nowhere')!r} is not a complete checkpoint (no train_state.json); "
+        f"accepted: a <dump_folder>/checkpoint/step-N folder\n"
+    )
