@@ -251,6 +251,7 @@ def test_bad_enum_values(argv: list[str], match: str) -> None:
         (["--metrics.log_freq", "0"], r"metrics\.log_freq = 0 is too small"),
         (["--checkpoint.interval", "0"], r"checkpoint\.interval = 0 is too small"),
         (["--checkpoint.keep_latest_k", "-1"], r"checkpoint\.keep_latest_k = -1 is too small; accepted: >= 0"),
+        (["--checkpoint.exclude_from_loading", "optimizer,model"], r"checkpoint\.exclude_from_loading item = 'model' is not accepted; accepted: optimizer, dataloader"),
         (["--checkpoint.async_mode", "async_with_pinned_mem"], r"checkpoint\.async_mode = 'async_with_pinned_mem' is not accepted; accepted: disabled, async"),
         (["--checkpoint.export_dtype", "int8"], r"checkpoint\.export_dtype = 'int8' is not accepted; accepted: float32, bfloat16, float16"),
         (["--parallelism.tensor_parallel_degree", "0"], r"parallelism\.tensor_parallel_degree = 0 is too small"),
@@ -346,3 +347,17 @@ def test_the_resolved_config_reloads_as_the_same_job(tmp_path: Path) -> None:
     expected["job"].pop("config_file")
     assert got == expected
     assert again.lr_scheduler.decay_ratio is None and again.autoparallel.time_limit_s == float("inf")
+
+
+def test_a_list_key_reads_from_toml_and_the_command_line(tmp_path) -> None:
+    from torchtitan_autoparallel.config.dump import to_toml
+
+    toml = tmp_path / "job.toml"
+    toml.write_text('[checkpoint]\nexclude_from_loading = ["optimizer"]\n')
+    assert load_config(config_file=str(toml)).checkpoint.exclude_from_loading == ["optimizer"]
+    cli = load_config(["--checkpoint.exclude_from_loading", "optimizer, dataloader"])
+    assert cli.checkpoint.exclude_from_loading == ["optimizer", "dataloader"]
+    assert 'exclude_from_loading = ["optimizer", "dataloader"]' in to_toml(cli)
+    toml.write_text('[checkpoint]\nexclude_from_loading = "optimizer"\n')
+    with raises_config(r"checkpoint\.exclude_from_loading = 'optimizer' in .* is not a valid list of str"):
+        load_config(config_file=str(toml))

@@ -386,3 +386,22 @@ def test_a_saved_checkpoint_converts_to_hugging_face_safetensors(tmp_path: Path,
         f"error: {str(tmp_path / 'nowhere')!r} is not a complete checkpoint (no train_state.json); "
         f"accepted: a <dump_folder>/checkpoint/step-N folder\n"
     )
+
+
+@pytest.mark.multirank
+def test_a_resume_can_leave_the_optimizer_or_the_data_fresh(runs: Runs) -> None:
+    """``exclude_from_loading``: step 3 reads only the step-2 weights and its batch, step 4
+    AdamW's moments too. Without the optimizer state step 3 is the source's and step 4 is
+    not; without the data position step 3 scores the first batch, as the source's
+    validation after step 2 did."""
+    source, validated = runs.source()
+    full = ("--checkpoint.initial_load_model_only", "false")
+    fresh_adam = runs.started("no-optimizer", runs.saved(2), *full, "--checkpoint.exclude_from_loading", "optimizer",
+                              steps=SOURCE_STEPS)
+    assert [r["step"] for r in fresh_adam] == [3, 4]
+    assert fresh_adam[0]["loss"] == pytest.approx(source[2]["loss"], rel=1e-5)
+    assert fresh_adam[1]["loss"] != pytest.approx(source[3]["loss"], rel=1e-5)
+    fresh_data = runs.started("no-data", runs.saved(2), *full, "--checkpoint.exclude_from_loading", "dataloader",
+                              steps=3)
+    assert fresh_data[0]["step"] == 3
+    assert fresh_data[0]["loss"] == pytest.approx(validated[2], rel=1e-5)

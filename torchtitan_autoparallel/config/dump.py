@@ -32,6 +32,8 @@ def to_toml(config: JobConfig) -> str:
 
 
 def _value(value: object) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

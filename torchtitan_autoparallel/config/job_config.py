@@ -95,6 +95,8 @@ class Checkpoint:
     last_save_model_only: bool = False
     last_save_in_hf: bool = False  # that save in Hugging Face's names and safetensors
     export_dtype: str = "float32"
+    # what a resume leaves as a fresh run has it: optimizer (AdamW's moments), dataloader
+    exclude_from_loading: list[str] = field(default_factory=list)
     enable_first_step_checkpoint: bool = False  # also save after step 1 (see a save work early)
     # async: copy the state and write it in the background while training goes on
     async_mode: str = "disabled"

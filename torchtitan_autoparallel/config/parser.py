@@ -106,12 +106,20 @@ def _optional(hint: Any) -> bool:
     return type(None) in typing.get_args(hint)
 
 
+def _is_str_list(hint: Any) -> bool:
+    return typing.get_origin(hint) is list
+
+
 def _type_name(hint: Any) -> str:
+    if _is_str_list(hint):
+        return "list of str"
     names = [t.__name__ for t in _base_types(hint)]
     return " or ".join(names + (["none"] if _optional(hint) else []))
 
 
 def _from_text(text: str, hint: Any) -> Any:
+    if _is_str_list(hint):  # on the command line: comma-separated
+        return [item.strip() for item in text.split(",") if item.strip()]
     if _optional(hint) and text.lower() in {"none", "null", ""}:
         return None
     for t in _base_types(hint):
@@ -134,6 +142,8 @@ def _parse_one(text: str, t: type) -> Any:
 
 
 def _check_type(value: Any, hint: Any) -> Any:
+    if _is_str_list(hint):
+        return value if isinstance(value, list) and all(isinstance(v, str) for v in value) else _BAD
     bases = _base_types(hint)
     if isinstance(value, bool):
         return value if bool in bases else _BAD

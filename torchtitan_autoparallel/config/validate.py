@@ -7,6 +7,7 @@ from torchtitan_autoparallel.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+EXCLUDABLE = ("optimizer", "dataloader")  # of a resume: the rest (weights, step) always loads
 ASYNC_MODES = ("disabled", "async")  # torchtitan's async_with_pinned_mem: not yet
 DECAY_TYPES = ("linear", "cosine", "sqrt")
 AC_MODES = ("none", "full", "selective")
@@ -71,6 +72,8 @@ def _validate_checkpoint(c: JobConfig) -> None:
     k = c.checkpoint
     _choice("checkpoint.export_dtype", k.export_dtype, EXPORT_DTYPES)
     _choice("checkpoint.async_mode", k.async_mode, ASYNC_MODES)
+    for item in k.exclude_from_loading:
+        _choice("checkpoint.exclude_from_loading item", item, EXCLUDABLE)
     if k.last_save_in_hf and not k.last_save_model_only:
         raise ConfigError(
             "checkpoint.last_save_in_hf = true needs checkpoint.last_save_model_only = true "

@@ -284,18 +284,19 @@ def _read_state(path: Path, model_id: str, key: str | None = None) -> dict:
     return state
 
 
-def load(folder: Path, step: int, model: nn.Module, optimizer, model_id: str) -> dict:
-    """Restore model and optimizer in place; return the saved train state."""
+def load(folder: Path, step: int, model: nn.Module, optimizer, model_id: str, fresh_optimizer: bool = False) -> dict:
+    """Restore model and optimizer (unless ``fresh_optimizer``) in place; return the saved train state."""
     path = folder / f"step-{step}"
     state = read_train_state(folder, step, model_id)
-    _load_into(path, _state(model, optimizer), model, optimizer)
+    _load_resume(path, model, optimizer, fresh_optimizer)
     saved_on = f", saved on {state['world_size']} rank(s)" if "world_size" in state else ""
     logger.info(f"resumed from checkpoint {path} (step {state['step']}{saved_on})")
     return state
 
 
 def load_initial(
-    path: Path, model: nn.Module, optimizer, model_id: str, model_only: bool, hf_adapter=None
+    path: Path, model: nn.Module, optimizer, model_id: str, model_only: bool, hf_adapter=None,
+    fresh_optimizer: bool = False,
 ) -> dict | None:
     """Start from the checkpoint at ``path``: its weights alone (returns None), or with
     ``model_only`` false everything, as a resume (returns its train state). With
@@ -307,12 +308,20 @@ def load_initial(
         hf_checkpoint.load(path, model, hf_adapter)
         return None
     if not model_only:
-        _load_into(path, _state(model, optimizer), model, optimizer)
+        _load_resume(path, model, optimizer, fresh_optimizer)
         logger.info(f"started from checkpoint {path} (step {state['step']}: weights, optimizer and data)")
         return state
     _load_into(path, {"model": model.state_dict()}, model, None)
     logger.info(f"started from the weights of checkpoint {path} (saved at step {state['step']}); step 1 next")
     return None
+
+
+def _load_resume(path: Path, model: nn.Module, optimizer, fresh_optimizer: bool) -> None:
+    if fresh_optimizer:  # checkpoint.exclude_from_loading
+        _load_into(path, {"model": model.state_dict()}, model, None)
+        logger.info("optimizer state not loaded (checkpoint.exclude_from_loading): AdamW starts afresh")
+    else:
+        _load_into(path, _state(model, optimizer), model, optimizer)
 
 
 def _load_into(path: Path, target: dict, model: nn.Module, optimizer) -> None:

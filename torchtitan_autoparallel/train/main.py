@@ -143,16 +143,22 @@ def train(job: JobConfig, t: Training) -> int:
 
 def _restore(job: JobConfig, t: Training, state: TrainState, ckpt_folder) -> None:
     """Resume this job's latest checkpoint, or start from ``checkpoint.initial_load_path``."""
+    c = job.checkpoint
+    fresh_optimizer = "optimizer" in c.exclude_from_loading
     saved = None
     if (step := checkpoint.step_to_load(job)) is not None:
-        saved = checkpoint.load(ckpt_folder, step, t.model, t.optimizer, t.model_id)
+        saved = checkpoint.load(ckpt_folder, step, t.model, t.optimizer, t.model_id, fresh_optimizer)
     elif (path := checkpoint.initial_load_path(job)) is not None:
-        c = job.checkpoint
         hf = _hf_adapter(job) if c.initial_load_in_hf else None
-        saved = checkpoint.load_initial(path, t.model, t.optimizer, t.model_id, c.initial_load_model_only, hf)
+        saved = checkpoint.load_initial(
+            path, t.model, t.optimizer, t.model_id, c.initial_load_model_only, hf, fresh_optimizer
+        )
     if saved is not None:  # a resume: step, data position and schedule continue
         state.step = saved["step"]
-        t.dataloader.load_state_dict(saved["data"])
+        if "dataloader" in c.exclude_from_loading:
+            logger.info("data position not loaded (checkpoint.exclude_from_loading): the data starts over")
+        else:
+            t.dataloader.load_state_dict(saved["data"])
         t.scheduler = build_lr_scheduler(t.optimizer, job.training.steps, job.lr_scheduler, state.step)
 
 
