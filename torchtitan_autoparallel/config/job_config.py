@@ -76,6 +76,7 @@ class Metrics:
     log_freq: int = 1
     enable_tensorboard: bool = False
     save_tb_folder: str = "tb"
+    enable_wandb: bool = False  # rank 0 logs to Weights & Biases ($WANDB_PROJECT, WANDB_MODE=offline)
     peak_tflops: float | None = None  # None: device table on GPU, measured on CPU
 
 

@@ -1,4 +1,4 @@
-"""Per-step metrics: the console line, ``metrics.jsonl`` and TensorBoard.
+"""Per-step metrics: the console line, ``metrics.jsonl``, TensorBoard and Weights & Biases.
 
 tps is tokens per second per device; tflops and mfu use the model's FLOPs per
 token (6N plus attention, from torchtitan) against the device's peak.
@@ -86,6 +86,7 @@ class MetricsLogger:
         device: torch.device,
         writes: bool,
         tensorboard_folder: str | None,
+        wandb_run=None,  # a started wandb run (``wandb_log.start_run``), on the writing rank
     ) -> None:
         self.flops_per_token = flops_per_token
         self.peak = peak
@@ -94,6 +95,7 @@ class MetricsLogger:
         self.writes = writes
         self.jsonl = None
         self.tb = None
+        self.wandb = wandb_run
         if writes:
             Path(dump_folder).mkdir(parents=True, exist_ok=True)
             self.jsonl = open(Path(dump_folder) / "metrics.jsonl", "a", buffering=1)
@@ -174,11 +176,13 @@ class MetricsLogger:
         )
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
+        scalars = {f"train/{k}": v for k, v in record.items() if k not in ("step", "time")}
         if self.tb is not None:
-            for key, value in record.items():
-                if key not in ("step", "time"):
-                    self.tb.add_scalar(f"train/{key}", value, step)
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
         return record
 
     def log_validation(self, result) -> None:
@@ -201,6 +205,8 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.add_scalar("validation/loss", result.loss, result.step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({"validation/loss": result.loss}, step=result.step)
 
     def close(self) -> None:
         if self.plan_check is not None and self.writes:
@@ -213,3 +219,5 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

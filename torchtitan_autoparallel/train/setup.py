@@ -262,4 +262,11 @@ def build_metrics(job: JobConfig, runtime: Runtime, flops_per_token: float) -> M
         device=runtime.device,
         writes=runtime.rank == 0,
         tensorboard_folder=tb,
+        wandb_run=_wandb_run(job) if job.metrics.enable_wandb and runtime.rank == 0 else None,
     )
+
+
+def _wandb_run(job: JobConfig):
+    from torchtitan_autoparallel.train.wandb_log import start_run
+
+    return start_run(job)
