@@ -75,7 +75,7 @@ def _read_dcp(path: Path, scratch: Path) -> dict:
 @pytest.mark.multirank
 def test_last_save_holds_the_weights_alone_in_the_export_dtype(runs: Runs, tmp_path: Path) -> None:
     last = runs.saved(SOURCE_STEPS)
-    assert f"saved checkpoint {last} (weights only, bfloat16) (in the background" in runs.source_output
+    assert f"saved checkpoint {last} (weights only, bfloat16) (written in the background in " in runs.source_output
     assert json.loads((last / "train_state.json").read_text())["model_only"] is True
     state = _read_dcp(last, tmp_path)
     assert sorted(state) == ["model"]

@@ -155,8 +155,7 @@ def save(
 
         hf_checkpoint.save(path, state["model"], hf_adapter)
     elif background is not None:
-        done.future = dcp.async_save(state, checkpoint_id=str(path), process_group=background)
-        return done
+        return done.track(dcp.async_save(state, checkpoint_id=str(path), process_group=background))
     else:
         dcp.save(state, checkpoint_id=str(path))
     done.wait()
@@ -171,6 +170,13 @@ class PendingSave:
         self.keep_latest_k, self.kind = keep_latest_k, kind
         self.future: Future | None = None  # the background write, if any
         self.started = time.perf_counter()
+        self.written_s: float | None = None  # how long that write took
+
+    def track(self, future: Future) -> PendingSave:
+        """Wait for ``future`` (a background write) in ``wait``; time it."""
+        self.future = future
+        future.add_done_callback(lambda _: setattr(self, "written_s", time.perf_counter() - self.started))
+        return self
 
     def wait(self) -> None:
         """On every rank: wait for the write, then write train_state.json and prune."""
@@ -180,7 +186,7 @@ class PendingSave:
                 self.future.result()
             except Exception as e:  # a full disk, a lost mount: one line, not a thread's traceback
                 raise CheckpointError(f"writing checkpoint {path} failed: {e}") from None
-            self.kind += f" (in the background, {time.perf_counter() - self.started:.1f} s)"
+            self.kind += f" (written in the background in {self.written_s:.1f} s)"
         # train_state.json is written last: its presence marks a complete checkpoint.
         if dist.get_rank() == 0:
             (path / "train_state.json").write_text(json.dumps(self.train_state))
