@@ -150,11 +150,13 @@ def save(
         train_state = {**train_state, "model_only": True, "dtype": dtype, "format": layout}
         kind = f" (weights only, {dtype}{', Hugging Face safetensors' if hf_adapter is not None else ''})"
     done = PendingSave(folder, step, {"step": step, **train_state}, keep_latest_k, kind)
+    behind = background is not None and hf_adapter is None
+    logger.info(f"saving checkpoint {path}{kind}{' in the background' if behind else ''} ...")
     if hf_adapter is not None:
         from torchtitan_autoparallel.train import hf_checkpoint
 
         hf_checkpoint.save(path, state["model"], hf_adapter)
-    elif background is not None:
+    elif behind:
         return done.track(dcp.async_save(state, checkpoint_id=str(path), process_group=background))
     else:
         dcp.save(state, checkpoint_id=str(path))
