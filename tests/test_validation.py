@@ -197,3 +197,16 @@ def test_a_planned_model_refuses_another_validation_shape(tmp_path: Path, capsys
     same = argv[:-1] + [str(trained)]  # the training value itself is fine, and so is a hand-written plan
     assert preflight.main(same) == 0
     assert preflight.main(argv[:6] + ["--model.name", "llama3"] + argv[8:]) == 0
+
+
+def test_a_long_validation_logs_its_progress(tmp_path: Path, caplog) -> None:
+    validator = _validator(tmp_path, "--validation.steps", "20")
+    with caplog.at_level("INFO", logger="torchtitan_autoparallel"):
+        validator.run(_Recorder(), 3)
+    progress = [r.getMessage() for r in caplog.records if "batches (" in r.getMessage()]
+    assert [m.split(" batches (")[0].split()[-1] for m in progress] == ["4/20", "8/20", "12/20", "16/20"]
+    assert all(m.startswith("validate step:  3  ") for m in progress)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="torchtitan_autoparallel"):
+        _validator(tmp_path, "--validation.steps", "19").run(_Recorder(), 3)
+    assert not [r for r in caplog.records if "batches (" in r.getMessage()]

@@ -28,6 +28,8 @@ from torchtitan_autoparallel.config.validate import validation_shape
 from torchtitan_autoparallel.errors import ConfigError
 
 logger = logging.getLogger("torchtitan_autoparallel")
+PROGRESS_MIN_BATCHES = 20  # a validation this long logs its progress
+PROGRESS_PARTS = 5  # ... every fifth of the way
 
 
 @dataclass
@@ -53,8 +55,13 @@ class Validator:
         start = time.perf_counter()
         self.loader.load_state_dict(self._start)
         training.model.eval()
+        losses = []
+        every = self.batches // PROGRESS_PARTS if self.batches >= PROGRESS_MIN_BATCHES else 0
         try:
-            losses = [training.validation_loss(next(self.loader)) for _ in range(self.batches)]
+            for i in range(1, self.batches + 1):
+                losses.append(training.validation_loss(next(self.loader)))
+                if every and i % every == 0 and i < self.batches:  # a long pass shows it is moving
+                    logger.info(f"validate step: {step:2d}  {i}/{self.batches} batches ({time.perf_counter() - start:.0f} s)")
         finally:
             training.model.train()
         loss = float(torch.stack(losses).mean())  # one host sync for the whole pass
