@@ -188,8 +188,12 @@ def test_hugging_face_export_round_trip(runs: Runs, model: str) -> None:
     validated = {r["step"]: r["validation_loss"] for r in source if "validation_loss" in r}
     export = runs.root / f"{model}-hf-source" / "checkpoint" / f"step-{HF_SOURCE_STEPS}"
     assert sorted(p.name for p in export.iterdir()) == [
-        "model-00001-of-00001.safetensors", "model.safetensors.index.json", "train_state.json",
+        "config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "train_state.json",
     ]
+    config = json.loads((export / "config.json").read_text())  # what from_pretrained reads
+    expected = {"llama3": ("llama", "llama3", False), "qwen3": ("qwen3", "default", True)}[model]
+    assert (config["model_type"], config["rope_parameters"]["rope_type"], config["tie_word_embeddings"]) == expected
+    assert (config["hidden_size"], config["vocab_size"], config["torch_dtype"]) == (256, 2048, "float32")
     with safe_open(str(export / "model-00001-of-00001.safetensors"), "pt") as f:
         names = set(f.keys())
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
@@ -379,6 +383,10 @@ def test_a_saved_checkpoint_converts_to_hugging_face_safetensors(tmp_path: Path,
     for name, value in expected.items():
         assert written[name].dtype == torch.bfloat16
         assert torch.equal(written[name], value.to(torch.bfloat16)), name
+
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["torch_dtype"] == "bfloat16"
+    assert config["num_hidden_layers"] == len(model.layers) and config["tie_word_embeddings"] is True
 
     capsys.readouterr()
     assert to_hf.main([str(tmp_path / "nowhere"), str(tmp_path / "hf2")]) == 2

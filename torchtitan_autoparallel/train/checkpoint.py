@@ -155,7 +155,7 @@ def save(
     if hf_adapter is not None:
         from torchtitan_autoparallel.train import hf_checkpoint
 
-        hf_checkpoint.save(path, state["model"], hf_adapter)
+        hf_checkpoint.save(path, state["model"], hf_adapter, model_only_dtype)
     elif behind:
         return done.track(dcp.async_save(state, checkpoint_id=str(path), process_group=background))
     else:

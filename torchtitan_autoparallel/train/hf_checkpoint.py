@@ -4,13 +4,15 @@ The name mapping (and LLaMA's rotary permutation of the query and key
 weights) is torchtitan's own state-dict adapter for the model family, applied
 to the DTensors of whatever plan is running; DCP's Hugging Face storage
 writer and reader move the bytes, each rank writing and reading its shards.
-The export is one ``model-00001-of-00001.safetensors`` with its index (no
-``config.json``: pair it with the model's Hugging Face config), and our
-``train_state.json`` beside it; a folder downloaded from the Hub loads as it is.
+The export is one ``model-00001-of-00001.safetensors`` with its index, a
+``config.json`` that transformers' ``from_pretrained`` reads (written from
+torchtitan's model config: sizes, norms, RoPE), and our ``train_state.json``;
+a folder downloaded from the Hub loads as it is.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -38,12 +40,62 @@ def adapter(family: str, model_config):
     return Adapter(model_config, None)
 
 
-def save(path: Path, weights: dict, hf_adapter) -> None:
-    """Write ``weights`` (the model's state dict, already in the export dtype) under HF names."""
+def save(path: Path, weights: dict, hf_adapter, dtype: torch.dtype) -> None:
+    """Write ``weights`` (the model's state dict, already in ``dtype``) under HF names, and config.json."""
     writer = HuggingFaceStorageWriter(path=str(path), save_distributed=True, enable_consolidation=True)
     dcp.save(hf_adapter.to_hf(weights), storage_writer=writer)
     if dist.get_rank() == 0:  # the per-rank pieces the consolidated file was made from
         shutil.rmtree(path / "sharded", ignore_errors=True)
+        write_config(path, hf_adapter, dtype)
+
+
+def write_config(folder: Path, hf_adapter, dtype: torch.dtype) -> None:
+    """``folder/config.json`` for the model ``hf_adapter`` converts (none for an unknown RoPE)."""
+    config = config_json(hf_adapter, dtype)
+    if config is None:
+        logger.warning(f"no config.json written to {folder}: its RoPE has no Hugging Face equivalent known here")
+        return
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def config_json(hf_adapter, dtype: torch.dtype) -> dict | None:
+    """transformers' config of the model: LlamaForCausalLM or Qwen3ForCausalLM."""
+    c = hf_adapter.model_config
+    attention = c.layers[0].attention
+    rope = attention.rope
+    if rope.scaling not in ("none", "llama"):
+        return None
+    qwen = type(hf_adapter).__name__.startswith("Qwen3")
+    parameters = {"rope_type": "default", "rope_theta": rope.theta}
+    if rope.scaling == "llama":
+        parameters.update(
+            rope_type="llama3", factor=rope.scaling_factor, low_freq_factor=rope.low_freq_factor,
+            high_freq_factor=rope.high_freq_factor,
+            original_max_position_embeddings=rope.original_max_position_embeddings,
+        )
+    legacy_scaling = {k: v for k, v in parameters.items() if k != "rope_theta"} if rope.scaling == "llama" else None
+    return {
+        "architectures": ["Qwen3ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen3" if qwen else "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.dim,
+        "intermediate_size": c.layers[0].feed_forward.w1.out_features,
+        "num_hidden_layers": len(c.layers),
+        "num_attention_heads": attention.n_heads,
+        "num_key_value_heads": attention.n_kv_heads or attention.n_heads,
+        "head_dim": rope.dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.norm.eps,
+        "max_position_embeddings": rope.max_seq_len,
+        "tie_word_embeddings": bool(c.enable_weight_tying),
+        "attention_bias": False,
+        **({} if qwen else {"mlp_bias": False}),
+        # transformers 5 reads rope_parameters; 4.x reads rope_theta and rope_scaling
+        "rope_parameters": parameters,
+        "rope_theta": rope.theta,
+        "rope_scaling": legacy_scaling,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 def check_folder(path: Path) -> None:

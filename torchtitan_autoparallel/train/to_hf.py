@@ -6,9 +6,9 @@ For runs that did not export with ``checkpoint.last_save_in_hf``: reads the
 weights of any of our DCP checkpoints (full or weights-only, saved under any
 plan or mesh) into one process, renames them with torchtitan's state-dict
 adapter of the model (``hf_checkpoint.adapter``), and writes
-``OUT_DIR/model.safetensors``. The whole model is held in this process's
-memory once, in float32 while reading. Bad input ends in one ``error:`` line
-and exit status 2.
+``OUT_DIR/model.safetensors`` and its ``config.json``. The whole model is
+held in this process's memory once, in float32 while reading. Bad input ends
+in one ``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def convert(checkpoint_dir: Path, out_dir: Path, dtype: torch.dtype) -> Path:
         str(out),
         metadata={"format": "pt", "model_id": state["model_id"], "step": str(state["step"])},
     )
+    hf_checkpoint.write_config(out_dir, adapter, dtype)
     return out
 
 
