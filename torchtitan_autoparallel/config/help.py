@@ -105,9 +105,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
 
 
 def _type_name(hint) -> str:
-    if typing.get_origin(hint) is list:
-        return "list of str (comma-separated on the command line)"
-    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    name = " or ".join(getattr(a, "__name__", str(a)) for a in args)
-    return f"{name} or none" if type(None) in typing.get_args(hint) else name
+    from torchtitan_autoparallel.config.parser import type_name
 
+    comma = " (comma-separated on the command line)" if typing.get_origin(hint) is list else ""
+    return type_name(hint) + comma

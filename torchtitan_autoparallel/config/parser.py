@@ -88,7 +88,7 @@ def _apply(config: JobConfig, data: dict[str, Any], *, source: str, from_cli: bo
             value = _from_text(raw, hint) if from_cli else _check_type(raw, hint)
             if value is _BAD:
                 raise ConfigError(
-                    f"{section}.{key} = {raw!r} in {source} is not a valid {_type_name(hint)}"
+                    f"{section}.{key} = {raw!r} in {source} is not a valid {type_name(hint)}"
                 )
             setattr(target, key, value)
 
@@ -110,7 +110,7 @@ def _is_str_list(hint: Any) -> bool:
     return typing.get_origin(hint) is list
 
 
-def _type_name(hint: Any) -> str:
+def type_name(hint: Any) -> str:
     if _is_str_list(hint):
         return "list of str"
     names = [t.__name__ for t in _base_types(hint)]

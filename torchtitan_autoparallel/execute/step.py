@@ -83,9 +83,7 @@ class PlannedStep:
         self, local_tokens: torch.Tensor, local_labels: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, DTensor]]:
         """As ``step``, from this rank's slice of the batch (what a sharded dataloader yields)."""
-        tokens = self._from_local(local_tokens, self.traced.tokens, self.tokens_placements)
-        labels = self._from_local(local_labels, self.traced.labels, self.labels_placements)
-        out = self.run_graph(tokens, labels)
+        out = self.run_graph(*self._batch_from_local(local_tokens, local_labels))
         return _report_loss(out.loss), out.grads
 
     def loss_local(self, local_tokens: torch.Tensor, local_labels: torch.Tensor) -> torch.Tensor:
@@ -96,8 +94,7 @@ class PlannedStep:
             return self.step_local(local_tokens, local_labels)[0]
         from torchtitan_autoparallel.execute.compiled import run_local_graph
 
-        tokens = self._from_local(local_tokens, self.traced.tokens, self.tokens_placements)
-        labels = self._from_local(local_labels, self.traced.labels, self.labels_placements)
+        tokens, labels = self._batch_from_local(local_tokens, local_labels)
         return _report_loss(run_local_graph(self, tokens, labels, loss_only=True).loss)
 
     def loss_graph(self) -> fx.GraphModule:
@@ -149,9 +146,7 @@ class PlannedStep:
 
     def compile_local(self, local_tokens: torch.Tensor, local_labels: torch.Tensor) -> None:
         """As ``compile``, from this rank's slice of the batch (the trainer's dataloader)."""
-        tokens = self._from_local(local_tokens, self.traced.tokens, self.tokens_placements)
-        labels = self._from_local(local_labels, self.traced.labels, self.labels_placements)
-        self._compile(tokens, labels)
+        self._compile(*self._batch_from_local(local_tokens, local_labels))
 
     def _compile(self, tokens: DTensor, labels: DTensor) -> None:
         from torchtitan_autoparallel.execute.compiled import trace_local_graph
@@ -233,6 +228,13 @@ class PlannedStep:
     def _to_param_placement(self, fqn: str, grad: DTensor) -> DTensor:
         want = self.chosen[self.traced.params[fqn]].outputs[0]
         return redistribute_to(grad, self.mesh, want)
+
+    def _batch_from_local(self, local_tokens: torch.Tensor, local_labels: torch.Tensor) -> tuple[DTensor, DTensor]:
+        """This rank's slice of the batch as the DTensors the step takes."""
+        return (
+            self._from_local(local_tokens, self.traced.tokens, self.tokens_placements),
+            self._from_local(local_labels, self.traced.labels, self.labels_placements),
+        )
 
     def _from_local(self, local: torch.Tensor, node: fx.Node, placements: Placements) -> DTensor:
         val = node.meta["val"]

@@ -20,7 +20,6 @@ from torchtitan_autoparallel.config import JobConfig, accumulation_steps
 from torchtitan_autoparallel.distributed.runtime import Runtime
 from torchtitan_autoparallel.errors import ConfigError, UserError
 from torchtitan_autoparallel.train.optim import build_lr_scheduler, build_optimizer
-from torchtitan_autoparallel.train.validate import build_validator
 from torchtitan_autoparallel.train.setup import (
     Training,
     build_data,
@@ -28,6 +27,7 @@ from torchtitan_autoparallel.train.setup import (
     init_full_model,
     set_determinism,
 )
+from torchtitan_autoparallel.train.validate import build_validator
 
 logger = logging.getLogger("torchtitan_autoparallel")
 
@@ -184,10 +184,14 @@ class AutoTraining(Training):
         return loss, grad_norm, lr
 
     def _micro_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        return self.planned.step_local(*self._on_device_compiled(batch))
+
+    def _on_device_compiled(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch on this rank's device; the step compiled on the first one, if asked."""
         inputs, labels = (x.to(self.runtime.device) for x in batch)
         if self.job.autoparallel.compile and self.planned.local_graph is None:
             self._compile(inputs, labels)
-        return self.planned.step_local(inputs, labels)
+        return inputs, labels
 
     def _compile(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         from torchtitan_autoparallel.execute.compiled import graph_collectives
@@ -225,9 +229,7 @@ class AutoTraining(Training):
 
     def validation_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The planned step's loss (the global mean), without its backward when compiled."""
-        inputs, labels = (x.to(self.runtime.device) for x in batch)
-        if self.job.autoparallel.compile and self.planned.local_graph is None:
-            self._compile(inputs, labels)
+        inputs, labels = self._on_device_compiled(batch)
         if self.planned.local_graph is not None and not self.validation_graph_logged:
             self._log_validation_graph()
         return self.planned.loss_local(inputs, labels)

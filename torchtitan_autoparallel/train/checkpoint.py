@@ -25,6 +25,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -34,7 +35,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan_autoparallel.errors import UserError
@@ -296,7 +296,7 @@ def load(folder: Path, step: int, model: nn.Module, optimizer, model_id: str, fr
     """Restore model and optimizer (unless ``fresh_optimizer``) in place; return the saved train state."""
     path = folder / f"step-{step}"
     state = read_train_state(folder, step, model_id)
-    _load_resume(path, model, optimizer, fresh_optimizer)
+    _load_into(path, model, None if fresh_optimizer else optimizer)
     saved_on = f", saved on {state['world_size']} rank(s)" if "world_size" in state else ""
     logger.info(f"resumed from checkpoint {path} (step {state['step']}{saved_on})")
     return state
@@ -316,29 +316,22 @@ def load_initial(
         hf_checkpoint.load(path, model, hf_adapter)
         return None
     if not model_only:
-        _load_resume(path, model, optimizer, fresh_optimizer)
+        _load_into(path, model, None if fresh_optimizer else optimizer)
         logger.info(f"started from checkpoint {path} (step {state['step']}: weights, optimizer and data)")
         return state
-    _load_into(path, {"model": model.state_dict()}, model, None)
+    _load_into(path, model, None)
     logger.info(f"started from the weights of checkpoint {path} (saved at step {state['step']}); step 1 next")
     return None
 
 
-def _load_resume(path: Path, model: nn.Module, optimizer, fresh_optimizer: bool) -> None:
-    if fresh_optimizer:  # checkpoint.exclude_from_loading
-        _load_into(path, {"model": model.state_dict()}, model, None)
-        logger.info("optimizer state not loaded (checkpoint.exclude_from_loading): AdamW starts afresh")
-    else:
-        _load_into(path, _state(model, optimizer), model, optimizer)
-
-
-def _load_into(path: Path, target: dict, model: nn.Module, optimizer) -> None:
-    """DCP-load ``target`` (model, and optimizer unless None) and apply it.
+def _load_into(path: Path, model: nn.Module, optimizer) -> None:
+    """DCP-load the model, and the optimizer unless it is None, in place.
 
     The target state dict holds this run's DTensors, so DCP reads into each
     rank's shards of the current placements whatever plan or mesh saved them,
     converting the saved dtype to the model's.
     """
+    target = _state(model, optimizer) if optimizer is not None else {"model": model.state_dict()}
     try:
         dcp.load(target, checkpoint_id=str(path))
     except CheckpointException as e:  # a BaseException: one line, not a traceback per rank

@@ -16,8 +16,8 @@ import torch
 
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps, load_config, resolve_degrees
 from torchtitan_autoparallel.config.dump import write_resolved
-from torchtitan_autoparallel.config.validate import check_planned_validation_shape
 from torchtitan_autoparallel.config.help import help_for, wants_help
+from torchtitan_autoparallel.config.validate import check_planned_validation_shape
 from torchtitan_autoparallel.distributed.runtime import (
     Runtime,
     exit_process,
@@ -155,6 +155,8 @@ def _restore(job: JobConfig, t: Training, state: TrainState, ckpt_folder) -> Non
         )
     if saved is not None:  # a resume: step, data position and schedule continue
         state.step = saved["step"]
+        if fresh_optimizer:
+            logger.info("optimizer state not loaded (checkpoint.exclude_from_loading): AdamW starts afresh")
         if "dataloader" in c.exclude_from_loading:
             logger.info("data position not loaded (checkpoint.exclude_from_loading): the data starts over")
         else:
