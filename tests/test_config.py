@@ -252,6 +252,8 @@ def test_bad_enum_values(argv: list[str], match: str) -> None:
         (["--checkpoint.interval", "0"], r"checkpoint\.interval = 0 is too small"),
         (["--checkpoint.keep_latest_k", "-1"], r"checkpoint\.keep_latest_k = -1 is too small; accepted: >= 0"),
         (["--checkpoint.exclude_from_loading", "optimizer,model"], r"checkpoint\.exclude_from_loading item = 'model' is not accepted; accepted: optimizer, dataloader"),
+        (["--compile.components", "model,optimizer"], r"compile\.components item = 'optimizer' is not accepted; accepted: model, loss"),
+        (["--compile.backend", "tvm"], r"compile\.backend = 'tvm' is not accepted; accepted: inductor, aot_eager, eager"),
         (["--checkpoint.async_mode", "async_with_pinned_mem"], r"checkpoint\.async_mode = 'async_with_pinned_mem' is not accepted; accepted: disabled, async"),
         (["--checkpoint.export_dtype", "int8"], r"checkpoint\.export_dtype = 'int8' is not accepted; accepted: float32, bfloat16, float16"),
         (["--parallelism.tensor_parallel_degree", "0"], r"parallelism\.tensor_parallel_degree = 0 is too small"),

@@ -139,6 +139,18 @@ class ActivationCheckpoint:
 
 
 @dataclass
+class Compile:
+    # torch.compile, as torchtitan applies it: off by default, since compiled kernels
+    # round differently from eager ones (losses agree to about 1e-6, not bit for bit)
+    enable: bool = False
+    # model: torchtitan's per-block compile (hand-written plans); loss: the loss function.
+    # A planned model is one graph, model and loss together: either name compiles it
+    # (with autoparallel.compile = true; the interpreter runs eager)
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    backend: str = "inductor"  # inductor, aot_eager or eager (the last two: debugging)
+
+
+@dataclass
 class AutoParallel:
     solver: str = "ilp"
     ilp_backend: str = "highs"
@@ -176,6 +188,7 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
     autoparallel: AutoParallel = field(default_factory=AutoParallel)
 
     def to_dict(self) -> dict:

@@ -14,6 +14,9 @@ AC_MODES = ("none", "full", "selective")
 OPTIMIZERS = ("AdamW", "Adam")
 SOLVERS = ("ilp", "lp", "approx", "auto")
 ILP_BACKENDS = ("highs", "cbc")
+COMPILE_COMPONENTS = ("model", "loss")
+# torch.compile backends that run on any device with nothing more installed
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 LOCAL_DATASETS = ("default", "text", "jsonl")  # read whole into memory; any other name is streamed
 
 
@@ -59,6 +62,9 @@ def validate(c: JobConfig) -> None:
     _at_least("comm.train_timeout_seconds", c.comm.train_timeout_seconds, 1)
     _validate_validation(c)
     _choice("activation_checkpoint.mode", c.activation_checkpoint.mode, AC_MODES)
+    for item in c.compile.components:
+        _choice("compile.components item", item, COMPILE_COMPONENTS)
+    _choice("compile.backend", c.compile.backend, COMPILE_BACKENDS)
     a = c.autoparallel
     _choice("autoparallel.solver", a.solver, SOLVERS)
     _choice("autoparallel.ilp_backend", a.ilp_backend, ILP_BACKENDS)

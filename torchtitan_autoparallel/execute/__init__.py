@@ -12,7 +12,9 @@ Public entry points:
   over DTensor parameters with global-norm clipping;
 * ``audit(planned_step, plan, tokens, labels) -> (expected, executed)``;
 * ``PlannedStep.compile`` / ``compile_local``: re-trace into a local-tensor
-  graph (``compiled.py``) that later steps run instead of the interpreter.
+  graph (``compiled.py``) that later steps run instead of the interpreter;
+  with ``PlannedStep.backend`` set (``[compile]``), a torch.compile backend
+  builds that graph on its first run (``backend.py``).
 """
 
 from torchtitan_autoparallel.execute.agree import (

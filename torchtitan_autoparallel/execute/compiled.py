@@ -55,9 +55,12 @@ def run_local_graph(planned: PlannedStep, tokens: DTensor, labels: DTensor, loss
     wrap its results with the planned placements."""
     assert planned.local_graph is not None
     inputs = planned.inputs(tokens, labels)
-    graph = planned.loss_graph() if loss_only else planned.local_graph
+    if loss_only:
+        run = planned.runner(planned.loss_graph(), "loss-only graph (validation)")
+    else:
+        run = planned.runner(planned.local_graph, "planned step")
     with torch.no_grad():
-        outs = graph(*(t.to_local() for t in inputs))
+        outs = run(*(t.to_local() for t in inputs))
     loss_node = planned.traced.loss
     loss_val = loss_node.meta["val"]
     loss = DTensor.from_local(

@@ -11,7 +11,7 @@ where FSDP's reduce-scatter or DDP's all-reduce happen).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torchtitan_autoparallel.execute import bucketing
+from torchtitan_autoparallel.execute.backend import BackendGraph
 from torchtitan_autoparallel.execute.bucketing import BucketStats
 from torchtitan_autoparallel.execute.interpreter import ExecutionModes, PlannedInterpreter, PlanExecutionError
 from torchtitan_autoparallel.execute.kernels import check_logsumexp_users
@@ -63,6 +64,9 @@ class PlannedStep:
     bucket_stats: BucketStats | None = None  # calls before and after merging
     # (local_graph, its loss-only copy), made by ``loss_graph``
     _loss_graph: tuple[fx.GraphModule, fx.GraphModule] | None = field(default=None, repr=False)
+    # ``[compile]``: the torch.compile backend that builds those graphs (backend.py); None runs them as fx
+    backend: str | None = None
+    _built: dict[fx.GraphModule, BackendGraph] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.mesh.device_type != "cpu" or self.portable_kernels:
@@ -105,6 +109,15 @@ class PlannedStep:
         if self._loss_graph is None or self._loss_graph[0] is not self.local_graph:
             self._loss_graph = (self.local_graph, loss_only_graph(self.local_graph, union_over_ranks))
         return self._loss_graph[1]
+
+    def runner(self, graph: fx.GraphModule, what: str) -> Callable:
+        """What runs ``graph`` (``local_graph`` or its loss-only copy): ``backend``'s build
+        of it, made on its first run, or the graph itself."""
+        if self.backend is None:
+            return graph
+        if graph not in self._built:
+            self._built[graph] = BackendGraph(graph, self.backend, what)
+        return self._built[graph]
 
     def run_graph(self, tokens: DTensor, labels: DTensor) -> StepOutput:
         """One forward+backward; every collective it runs is one the plan priced.

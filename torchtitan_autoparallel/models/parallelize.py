@@ -35,7 +35,9 @@ def _torchtitan_configs(job: JobConfig, degrees: tuple[int, int, int]):
         mixed_precision_param=job.training.mixed_precision_param,
         mixed_precision_reduce=job.training.mixed_precision_reduce,
     )
-    return parallelism, training, CompileConfig()
+    c = job.compile  # torchtitan compiles each transformer block ("model" in components)
+    compile_config = CompileConfig(enable=c.enable, components=list(c.components), backend=c.backend)
+    return parallelism, training, compile_config
 
 
 def _ac_config(mode: str):

@@ -248,6 +248,18 @@ class AutoTraining(Training):
         return float(local_loss)  # the planned step already reduces the loss
 
 
+def _compile_backend(job: JobConfig) -> str | None:
+    """The torch.compile backend for the planned step's graphs, if ``[compile]`` asks for one."""
+    c = job.compile
+    if not (c.enable and c.components):
+        return None
+    if not job.autoparallel.compile:
+        logger.info("compile.enable has no effect: autoparallel.compile is off, so the step is interpreted op by op")
+        return None
+    logger.info(f"compile: the planned step (model and loss, one graph) is built by {c.backend} on its first run")
+    return c.backend
+
+
 def build_auto_training(
     job: JobConfig, runtime: Runtime, family: str, model_config, degrees: tuple[int, int, int]
 ) -> AutoTraining:
@@ -277,6 +289,7 @@ def build_auto_training(
     step.bind_to(model)
     if job.autoparallel.overlap_execution and not job.autoparallel.compile:
         logger.info("autoparallel.overlap_execution has no effect: it reorders the compiled graph and compile is off")
+    step.backend = _compile_backend(job)
     dp_rank, dp_degree = step.data_parallel_coords()
     steps = accumulation_steps(job, degrees)
     optimizer = build_optimizer(model, job.optimizer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from torchtitan_autoparallel.models.parallelize import (
     build_parallel_dims,
     prepare_model_config,
 )
-from torchtitan_autoparallel.train.loss import cross_entropy_loss
+from torchtitan_autoparallel.train.loss import build_loss_fn, cross_entropy_loss
 from torchtitan_autoparallel.train.metrics import MetricsLogger, resolve_peak
 from torchtitan_autoparallel.train.optim import build_lr_scheduler, build_optimizer
 from torchtitan_autoparallel.train.validate import build_validator
@@ -62,6 +63,7 @@ class Training:
     n_params: int
     accumulation_steps: int = 1  # micro-batches per optimizer step
     validator: object | None = None  # train.validate.Validator when validation is on
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
 
     @property
     def global_tokens_per_step(self) -> int:
@@ -83,7 +85,7 @@ class Training:
             # Data-parallel gradients are summed (not averaged) across ranks and
             # micro-batch gradients add up in .grad, so the local mean is divided by
             # both counts: the sum is then the gradient of the global batch's mean.
-            micro_loss = cross_entropy_loss(pred, labels) / (self.dp_degree * len(batches))
+            micro_loss = self.loss_fn(pred, labels) / (self.dp_degree * len(batches))
             micro_loss.backward()
             loss += micro_loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -100,7 +102,7 @@ class Training:
             pred = self.model(inputs)
             if isinstance(pred, DTensor):
                 pred = pred.full_tensor()
-            loss = cross_entropy_loss(pred, labels)
+            loss = self.loss_fn(pred, labels)
             if self.dp_degree > 1:
                 dist.all_reduce(loss, group=self.dp_group)
         return loss / self.dp_degree
@@ -151,6 +153,7 @@ def build_training(
         dp_group=dp_group,
         n_params=n_params,
         accumulation_steps=steps,
+        loss_fn=build_loss_fn(job),
     )
     if runtime.fake:
         return Training(optimizer=None, scheduler=None, dataloader=None, metrics=None, **common)
