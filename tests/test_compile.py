@@ -95,3 +95,16 @@ def test_torchtitan_compile_section_reads(tmp_path: Path) -> None:
     c = load_config(config_file=str(toml)).compile
     assert (c.enable, c.components, c.backend) == (True, ["loss"], "aot_eager")
     assert load_config([]).compile.enable is False
+
+
+def test_a_planned_step_is_compiled_only_from_its_local_graph(caplog: pytest.LogCaptureFixture) -> None:
+    from torchtitan_autoparallel.train.auto import _compile_backend
+
+    assert _compile_backend(load_config([])) is None
+    assert _compile_backend(load_config(COMPILE)) == "inductor"
+    # model and loss are one graph: naming either compiles it
+    assert _compile_backend(load_config([*COMPILE, "--compile.components", "loss", "--compile.backend", "aot_eager"])) == "aot_eager"
+    assert _compile_backend(load_config([*COMPILE, "--compile.components", ""])) is None
+    with caplog.at_level("INFO", logger="torchtitan_autoparallel"):
+        assert _compile_backend(load_config([*COMPILE, "--autoparallel.compile", "false"])) is None
+    assert "compile.enable has no effect: autoparallel.compile is off" in caplog.text
