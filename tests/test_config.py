@@ -363,3 +363,76 @@ def test_a_list_key_reads_from_toml_and_the_command_line(tmp_path) -> None:
     toml.write_text('[checkpoint]\nexclude_from_loading = "optimizer"\n')
     with raises_config(r"checkpoint\.exclude_from_loading = 'optimizer' in .* is not a valid list of str"):
         load_config(config_file=str(toml))
+
+
+# --- torchtitan's own 2025 job files (compat.py) ---------------------------------
+
+TORCHTITAN_STYLE = """
+[job]
+description = "a job file written for torchtitan"
+print_args = false
+use_for_integration_test = true
+
+[metrics]
+disable_color_printing = true
+
+[model]
+name = "llama3"
+hf_assets_path = "./assets/hf/Llama-3.1-8B"
+converters = []
+
+[parallelism]
+fsdp_reshard_after_forward = "always"
+enable_async_tensor_parallel = false
+
+[checkpoint]
+enable_checkpoint = true
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "op"
+
+[compile]
+enable = false
+components = ["model", "loss"]
+
+[float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output"]
+"""
+
+
+def test_a_torchtitan_job_file_loads(tmp_path: Path) -> None:
+    toml = tmp_path / "torchtitan.toml"
+    toml.write_text(TORCHTITAN_STYLE)
+    c = load_config(config_file=str(toml))
+    assert c.checkpoint.enable is True  # enable_checkpoint, renamed since
+    assert c.model.tokenizer_path == "./assets/hf/Llama-3.1-8B"  # the folder holding tokenizer.json
+    assert c.parallelism.fsdp_reshard_after_forward == "always"
+    assert c.activation_checkpoint.mode == "selective" and c.job.print_args is False
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ('[model]\nconverters = ["float8"]\n', r"model\.converters = \['float8'\] in .* is not supported \(float8 and MX training are not supported\); accepted: \[\]"),
+        ("[activation_checkpoint]\nselective_ac_option = '2'\n", r"activation_checkpoint\.selective_ac_option = '2' .* not every N-th layer\); accepted: 'op'"),
+        ("[float8]\nenable_fsdp_float8_all_gather = true\n", r"float8\.enable_fsdp_float8_all_gather = True .*; accepted: False, or leave the key out"),
+        ("[float8]\nrecipe_name = 'rowwise'\n", r"unknown key float8\.recipe_name .* known keys of \[float8\]: enable_fsdp_float8_all_gather"),
+    ],
+)
+def test_a_torchtitan_feature_this_trainer_lacks_is_refused(tmp_path: Path, text: str, match: str) -> None:
+    toml = tmp_path / "job.toml"
+    toml.write_text(text)
+    with raises_config(match):
+        load_config(config_file=str(toml))
+
+
+def test_torchtitan_keys_on_the_command_line() -> None:
+    assert load_config(["--parallelism.enable_async_tensor_parallel", "false"]).parallelism.tensor_parallel_degree == 1
+    with raises_config(r"parallelism\.enable_async_tensor_parallel = 'true' in command line is not supported \(async TP"):
+        load_config(["--parallelism.enable_async_tensor_parallel", "true"])
+    assert load_config(["--checkpoint.enable_checkpoint", "true"]).checkpoint.enable is True
+    with raises_config(r"parallelism\.fsdp_reshard_after_forward = 'sometimes' is not accepted; accepted: default, always, never"):
+        load_config(["--parallelism.fsdp_reshard_after_forward", "sometimes"])

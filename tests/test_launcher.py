@@ -97,7 +97,8 @@ def test_bad_config_file(tmp_path: Path, text: str, must_contain: list[str]) -> 
 
 def test_fake_backend_64_ranks_tensor_parallel(tmp_path: Path) -> None:
     run = run_launcher(
-        ["--job.dump_folder", str(tmp_path / "out"), "--parallelism.tensor_parallel_degree", "8"],
+        ["--job.dump_folder", str(tmp_path / "out"), "--parallelism.tensor_parallel_degree", "8",
+         "--job.print_args", "true"],
         ngpu=64,
         comm_mode="fake_backend",
         timeout=300,
@@ -107,6 +108,8 @@ def test_fake_backend_64_ranks_tensor_parallel(tmp_path: Path) -> None:
     assert "Traceback" not in out and "error:" not in out, run.tail()
     assert "on 64 cpu rank(s) (fake); replicate 1 x shard 8 x tensor 8" in out, run.tail()
     assert "configuration checked" in out, run.tail()
+    # job.print_args: the resolved configuration, as the TOML written beside the run
+    assert "configuration:\n# the resolved configuration" in out and "tensor_parallel_degree = 8" in out, run.tail()
     # The summary lists parameters sharded on both mesh axes (FSDP + TP).
     assert "parameters; placements of the first tensors" in out, run.tail()
     assert "Shard(dim=0)" in out, run.tail()
@@ -140,3 +143,15 @@ def test_planner_settings_of_a_hand_written_plan_are_flagged(model, args, warnin
         assert err.startswith(warning) and err.count("\n") == 1, err
         assert "torchtitan's hand-written plan;" in err
         assert "llama3_auto_parallel, qwen3_auto_parallel" in err
+
+
+def test_fsdp_reshard_setting_of_a_planned_model_is_flagged(capsys) -> None:
+    from torchtitan_autoparallel.train import preflight
+
+    argv = ["--ngpu", "2", "--job.config_file", str(LLAMA3_CONFIG), "--model.name", "llama3_auto_parallel",
+            "--parallelism.fsdp_reshard_after_forward", "never"]
+    assert preflight.main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: parallelism.fsdp_reshard_after_forward = 'never' has no effect") and err.count("\n") == 1, err
+    assert preflight.main([*argv[:-4], "--model.name", "llama3", "--parallelism.fsdp_reshard_after_forward", "never"]) == 0
+    assert capsys.readouterr().err == ""  # torchtitan's FSDP reads it

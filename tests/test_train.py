@@ -2,6 +2,7 @@
 
 * loss parity: every hand-written plan reproduces the 1-rank losses (and grad
   norms) at the same global batch, read at full precision from metrics.jsonl;
+* activation checkpointing (full, selective) keeps FSDP's losses;
 * gradient accumulation: two micro-batches a step give the same losses;
 * determinism: two identical 1-rank runs log identical losses;
 * checkpoint resume: a run stopped at step 2 and resumed continues exactly as
@@ -76,6 +77,20 @@ def test_loss_parity_with_one_rank(runs: Runs, model: str, plan: str) -> None:
     assert [r["lr"] for r in got] == pytest.approx([r["lr"] for r in ref], rel=1e-12)
     # ...and training moved the weights: the losses are not all the same.
     assert len({round(r["loss"], 6) for r in got}) == STEPS
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_the_losses(runs: Runs, mode: str) -> None:
+    """torchtitan's block wrappers rename the parameters (``_checkpoint_wrapped_module``);
+    the weights must still start as a 1-rank run's, and recomputing changes no value."""
+    ref = runs.plan("llama3", "fsdp")[:STEPS]
+    ngpu, extra = PLANS["fsdp"]
+    got = runs.get(
+        f"llama3-fsdp-ac-{mode}", *extra, "--activation_checkpoint.mode", mode, model="llama3", ngpu=ngpu,
+        steps=STEPS, seq_len=SEQ_LEN, local_batch_size=GLOBAL_BATCH // DP_DEGREE["fsdp"],
+    )
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-6)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-6)
 
 
 def test_gradient_accumulation_matches_one_rank(runs: Runs) -> None:

@@ -15,6 +15,7 @@ class Job:
     dump_folder: str = "./outputs"
     description: str = "torchtitan_autoparallel training job"
     config_file: str = ""
+    print_args: bool = False  # log the resolved configuration (as TOML) at start-up
 
 
 @dataclass
@@ -51,6 +52,9 @@ class Parallelism:
     context_parallel_degree: int = 1  # 1 only, for now
     pipeline_parallel_degree: int = 1  # 1 only, for now
     enable_sequence_parallel: bool = True
+    # hand-written FSDP (torchtitan's): default, always or never free the gathered
+    # weights after the forward; a planned model's plan decides that itself
+    fsdp_reshard_after_forward: str = "default"
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import Any
 
 import tomli
 
+from torchtitan_autoparallel.config.compat import INERT_SECTIONS, translate
 from torchtitan_autoparallel.config.job_config import SECTIONS, JobConfig
 from torchtitan_autoparallel.config.validate import validate
 from torchtitan_autoparallel.errors import ConfigError
@@ -70,15 +71,18 @@ def parse_overrides(argv: list[str]) -> dict[str, dict[str, str]]:
 
 def _apply(config: JobConfig, data: dict[str, Any], *, source: str, from_cli: bool) -> None:
     for section, values in data.items():
-        if section not in SECTIONS:
+        if section not in SECTIONS and section not in INERT_SECTIONS:
             raise ConfigError(
                 f"unknown section [{section}] in {source}; known sections: {', '.join(SECTIONS)}"
             )
         if not isinstance(values, dict):
             raise ConfigError(f"[{section}] in {source} must be a table of keys")
-        target = getattr(config, section)
-        known = {f.name: f for f in fields(target)}
-        for key, raw in values.items():
+        target = getattr(config, section, None)
+        known = [f.name for f in fields(target)] if target is not None else INERT_SECTIONS[section]
+        for old_key, raw in values.items():
+            key = translate(section, old_key, raw, source)  # torchtitan's older keys (compat.py)
+            if key is None:
+                continue
             if key not in known:
                 raise ConfigError(
                     f"unknown key {section}.{key} in {source}; known keys of [{section}]: "

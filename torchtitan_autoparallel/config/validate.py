@@ -17,6 +17,7 @@ ILP_BACKENDS = ("highs", "cbc")
 COMPILE_COMPONENTS = ("model", "loss")
 # torch.compile backends that run on any device with nothing more installed
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+RESHARD_AFTER_FORWARD = ("default", "always", "never")
 LOCAL_DATASETS = ("default", "text", "jsonl")  # read whole into memory; any other name is streamed
 
 
@@ -117,6 +118,7 @@ def _validate_parallelism(c: JobConfig) -> None:
     _at_least("parallelism.tensor_parallel_degree", p.tensor_parallel_degree, 1)
     if p.data_parallel_shard_degree != -1:
         _at_least("parallelism.data_parallel_shard_degree", p.data_parallel_shard_degree, 1)
+    _choice("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward, RESHARD_AFTER_FORWARD)
     for name in ("context_parallel_degree", "pipeline_parallel_degree"):
         value = getattr(p, name)
         if value != 1:

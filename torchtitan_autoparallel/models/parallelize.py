@@ -25,6 +25,7 @@ def _torchtitan_configs(job: JobConfig, degrees: tuple[int, int, int]):
         data_parallel_shard_degree=shard,
         tensor_parallel_degree=tp,
         enable_sequence_parallel=job.parallelism.enable_sequence_parallel,
+        fsdp_reshard_after_forward=job.parallelism.fsdp_reshard_after_forward,
         # DTensor on model-parallel axes only: the classic FSDP2 + TP stack.
         spmd_backend="partial_dtensor",
     )

@@ -86,7 +86,10 @@ def run(job: JobConfig) -> int:
     check_model_fits_mesh(model_config, degrees)
     checkpoint.check_resume(job, entry.family)  # before planning: refuse early, write nothing
     if runtime.rank == 0:
-        logger.info(f"configuration written to {write_resolved(job)}")
+        written = write_resolved(job)
+        logger.info(f"configuration written to {written}")
+        if job.job.print_args:
+            logger.info(f"configuration:\n{written.read_text()}")
     logger.info(
         f"{job.model.name} {job.model.flavor} on {runtime.world_size} {runtime.device_type} "
         f"rank(s) ({runtime.backend}); replicate {degrees[0]} x shard {degrees[1]} x tensor {degrees[2]}; "

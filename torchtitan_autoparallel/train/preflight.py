@@ -31,6 +31,7 @@ def check(job: JobConfig, ngpu: int) -> None:
     if entry.auto_parallel:
         _check_cost_profile(job.autoparallel.cost_profile)
         check_planned_validation_shape(job)
+        _warn_unused_fsdp_setting(job)
     else:
         _warn_unused_planner_settings(job)
     checkpoint.check_resume(job, entry.family)
@@ -91,6 +92,18 @@ def _warn_unused_planner_settings(job: JobConfig) -> None:
             f"model.name = {job.model.name!r} trains with torchtitan's "
             f"hand-written plan; the planner runs for "
             f"{', '.join(n for n, e in MODELS.items() if e.auto_parallel)}",
+            file=sys.stderr,
+        )
+
+
+def _warn_unused_fsdp_setting(job: JobConfig) -> None:
+    """A plan places every gather itself: torchtitan's FSDP reshard setting is not read."""
+    value = job.parallelism.fsdp_reshard_after_forward
+    if value != "default":
+        print(
+            f"warning: parallelism.fsdp_reshard_after_forward = {value!r} has no effect: "
+            f"model.name = {job.model.name!r} is planned, and its plan decides which "
+            "gathered weights the backward reuses",
             file=sys.stderr,
         )
 

@@ -203,7 +203,14 @@ def _materialize(model: nn.Module, model_config, seed: int, device: torch.device
         full.named_buffers(remove_duplicate=False)
     )
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        _copy_into(tensor, full_tensors[name])
+        _copy_into(tensor, full_tensors[_unwrapped_name(name)])
+
+
+def _unwrapped_name(name: str) -> str:
+    """``name`` without the module torch's checkpoint wrapper adds (activation checkpointing)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    return name.replace(_CHECKPOINT_PREFIX, "")
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
