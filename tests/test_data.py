@@ -258,3 +258,27 @@ def test_unreachable_hf_dataset_gives_a_clear_error(
         build_dataloader(tok, "org/fake", None, 16, 2)
     message = str(info.value)
     assert "'org/fake'" in message and "network" in message and "dataset='default'" in message
+
+
+@pytest.mark.parametrize(
+    "name,path,expected",
+    [
+        ("c4", None, ("allenai/c4", "en", "train")),
+        ("c4_validation", None, ("allenai/c4", "en", "validation")),
+        ("c4", "/data/c4_copy", ("/data/c4_copy", "en", "train")),  # a local copy, as torchtitan reads it
+        ("wikitext", "wikitext-2-raw-v1", ("wikitext", "wikitext-2-raw-v1", "train")),
+    ],
+)
+def test_torchtitan_dataset_names_stream_their_hub_datasets(
+    monkeypatch: pytest.MonkeyPatch, tok: Tokenizer, name: str, path: str | None, expected: tuple
+) -> None:
+    asked: list[tuple] = []
+
+    def load_dataset(hf_name: str, config: str | None, split: str, streaming: bool):
+        asked.append((hf_name, config, split))
+        assert streaming
+        return [{"text": f"document {i} of the stream"} for i in range(40)]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    x, _ = next(iter(build_dataloader(tok, name, path, 16, 2)))
+    assert asked[0] == expected and x.shape == (2, 16)

@@ -39,6 +39,12 @@ from torchtitan_autoparallel.data.tokenizer import ASSETS_DIR, DataError, Tokeni
 
 DEFAULT_CORPUS_PATH = ASSETS_DIR / "corpus.txt"
 LOCAL_SUFFIXES = {"text": ".txt", "jsonl": ".jsonl"}
+# torchtitan's names for its streamed datasets -> (Hugging Face name, config, split);
+# dataset_path, if set, replaces the name (a local copy), as in torchtitan
+TORCHTITAN_STREAMS = {
+    "c4": ("allenai/c4", "en", "train"),
+    "c4_validation": ("allenai/c4", "en", "validation"),
+}
 # Bounds memory held by tokenizer Encoding objects while tokenizing.
 _ENCODE_CHUNK = 1024
 
@@ -320,12 +326,12 @@ class TokenDataLoader:
         self._sampler.load_state_dict(state)
 
 
-def open_hf_documents(name: str, config: str | None) -> DocumentOpener:
-    """Stream the ``"text"`` field of a Hugging Face dataset's train split."""
+def open_hf_documents(name: str, config: str | None, split: str = "train") -> DocumentOpener:
+    """Stream the ``"text"`` field of a Hugging Face dataset's ``split``."""
     try:
         import datasets  # slow to import; only this source needs it
 
-        stream = datasets.load_dataset(name, config or None, split="train", streaming=True)
+        stream = datasets.load_dataset(name, config or None, split=split, streaming=True)
         first = next(iter(stream))
     except Exception as exc:  # offline, unknown name, gated, empty: all one story
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -360,8 +366,12 @@ def build_sampler(
     if dataset in ("default", *LOCAL_SUFFIXES):
         kind, files = local_source_files(dataset, dataset_path)
         return CorpusSampler(load_corpus(tokenizer, kind, files), sample_len, seed)
-    # Any other name is a Hugging Face dataset; dataset_path picks its config.
-    return StreamSampler(open_hf_documents(dataset, dataset_path), tokenizer, sample_len, dataset)
+    if dataset in TORCHTITAN_STREAMS:
+        name, config, split = TORCHTITAN_STREAMS[dataset]
+        opener = open_hf_documents(dataset_path or name, config, split)
+    else:  # any other name is a Hugging Face dataset; dataset_path picks its config
+        opener = open_hf_documents(dataset, dataset_path)
+    return StreamSampler(opener, tokenizer, sample_len, dataset)
 
 
 def build_dataloader(
