@@ -401,6 +401,9 @@ selective_ac_option = "op"
 enable = false
 components = ["model", "loss"]
 
+[validation]
+enabled = true
+
 [float8]
 enable_fsdp_float8_all_gather = false
 precompute_float8_dynamic_scale_for_fsdp = false
@@ -413,6 +416,7 @@ def test_a_torchtitan_job_file_loads(tmp_path: Path) -> None:
     toml.write_text(TORCHTITAN_STYLE)
     c = load_config(config_file=str(toml))
     assert c.checkpoint.enable is True  # enable_checkpoint, renamed since
+    assert c.validation.enable is True  # validation.enabled, renamed since
     assert c.model.tokenizer_path == "./assets/hf/Llama-3.1-8B"  # the folder holding tokenizer.json
     assert c.parallelism.fsdp_reshard_after_forward == "always"
     assert c.activation_checkpoint.mode == "selective" and c.job.print_args is False

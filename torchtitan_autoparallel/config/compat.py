@@ -19,6 +19,7 @@ from torchtitan_autoparallel.errors import ConfigError
 RENAMED: dict[tuple[str, str], str] = {
     ("checkpoint", "enable_checkpoint"): "enable",
     ("model", "hf_assets_path"): "tokenizer_path",  # a folder holding tokenizer.json
+    ("validation", "enabled"): "enable",
 }
 
 
