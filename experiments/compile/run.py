@@ -44,6 +44,7 @@ PLANS = [
     ("hand-written FSDP 2", "llama3", 2, 1),
     ("hand-written FSDP 2 x TP 2", "llama3", 4, 2),
 ]
+NOTES_MARK = "<!-- notes: kept when the table is rewritten -->"
 BUILT = re.compile(r"compile: \w+ built the planned step in ([0-9.]+) s")
 
 
@@ -105,11 +106,9 @@ def write_markdown(rows: list[dict], path: Path) -> None:
             f"| {e['memory_gib']:.2f} | {i['memory_gib']:.2f} | {e['first_step_s']:.1f} / {i['first_step_s']:.1f} "
             f"| {build} | {r['max_loss_rel_diff']:.1e} |"
         )
-    notes = path.read_text().split(NOTES_MARK, 1)[1] if path.exists() and NOTES_MARK in path.read_text() else "\n"
+    old = path.read_text() if path.exists() else ""
+    notes = old.split(NOTES_MARK, 1)[1] if NOTES_MARK in old else "\n"
     path.write_text("\n".join(lines) + "\n\n" + NOTES_MARK + notes)
-
-
-NOTES_MARK = "<!-- notes: kept when the table is rewritten -->"
 
 
 def main() -> int:

@@ -9,6 +9,7 @@ line, so a job never runs without something its file asked for.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,20 @@ class Inert:
     off: Any
     why: str
 
+    @property
+    def hint(self) -> Any:
+        """The type ``off`` is read as."""
+        return list[str] if isinstance(self.off, list) else type(self.off)
+
+    def check(self, name: str, raw: Any, read: Callable[[Any, Any], Any], source: str) -> None:
+        """Refuse ``raw`` unless ``read`` (the parser's, for TOML or command-line
+        values) gives the value that leaves the feature off."""
+        if self.off is not None and read(raw, self.hint) != self.off:
+            raise ConfigError(
+                f"{name} = {raw!r} in {source} is not supported ({self.why}); "
+                f"accepted: {self.off!r}, or leave the key out"
+            )
+
 
 INERT: dict[tuple[str, str], Inert] = {
     ("job", "use_for_integration_test"): Inert(None, "torchtitan's test-suite marker"),
@@ -50,32 +65,9 @@ INERT_SECTIONS: dict[str, list[str]] = {
 }
 
 
-def translate(section: str, key: str, value: Any, source: str) -> str | None:
-    """The key to set for ``section.key`` read from an old torchtitan file, or None
-    when the key is inert and ``value`` leaves it off; raises when it does not.
-    Keys that are neither renamed nor inert come back unchanged."""
+def translate(section: str, key: str) -> str | Inert:
+    """The key to set for ``section.key`` of an old torchtitan file, or the ``Inert``
+    that checks its value; keys neither renamed nor inert come back unchanged."""
     if (section, key) in RENAMED:
         return RENAMED[section, key]
-    inert = INERT.get((section, key))
-    if inert is None:
-        return key
-    if inert.off is not None and _normalise(value) != inert.off:
-        raise ConfigError(
-            f"{section}.{key} = {value!r} in {source} is not supported ({inert.why}); "
-            f"accepted: {inert.off!r}, or leave the key out"
-        )
-    return None
-
-
-def _normalise(value: Any) -> Any:
-    """Command-line text as the TOML value it spells."""
-    if not isinstance(value, str):
-        return value
-    low = value.strip().lower()
-    if low in ("false", "0", "no", "off"):
-        return False
-    if low in ("true", "1", "yes", "on"):
-        return True
-    if low in ("", "[]"):
-        return []
-    return value.strip()
+    return INERT.get((section, key), key)

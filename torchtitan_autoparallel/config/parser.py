@@ -14,7 +14,7 @@ from typing import Any
 
 import tomli
 
-from torchtitan_autoparallel.config.compat import INERT_SECTIONS, translate
+from torchtitan_autoparallel.config.compat import INERT_SECTIONS, Inert, translate
 from torchtitan_autoparallel.config.job_config import SECTIONS, JobConfig
 from torchtitan_autoparallel.config.validate import validate
 from torchtitan_autoparallel.errors import ConfigError
@@ -79,9 +79,11 @@ def _apply(config: JobConfig, data: dict[str, Any], *, source: str, from_cli: bo
             raise ConfigError(f"[{section}] in {source} must be a table of keys")
         target = getattr(config, section, None)
         known = [f.name for f in fields(target)] if target is not None else INERT_SECTIONS[section]
+        read = _from_text if from_cli else _check_type
         for old_key, raw in values.items():
-            key = translate(section, old_key, raw, source)  # torchtitan's older keys (compat.py)
-            if key is None:
+            key = translate(section, old_key)  # torchtitan's older keys (compat.py)
+            if isinstance(key, Inert):
+                key.check(f"{section}.{old_key}", raw, read, source)
                 continue
             if key not in known:
                 raise ConfigError(
@@ -89,7 +91,7 @@ def _apply(config: JobConfig, data: dict[str, Any], *, source: str, from_cli: bo
                     f"{', '.join(known)}"
                 )
             hint = typing.get_type_hints(type(target))[key]
-            value = _from_text(raw, hint) if from_cli else _check_type(raw, hint)
+            value = read(raw, hint)
             if value is _BAD:
                 raise ConfigError(
                     f"{section}.{key} = {raw!r} in {source} is not a valid {type_name(hint)}"

@@ -34,7 +34,6 @@ class BackendGraph:
         self.backend = backend
         self.what = what  # for the log: which graph this is
         self.compiled: Callable | None = None
-        self.seconds = 0.0
 
     def __call__(self, *inputs: torch.Tensor):
         if self.compiled is None:
@@ -55,9 +54,8 @@ class BackendGraph:
                 f"compile.backend = {self.backend!r} failed on the {self.what}; "
                 "compile.enable = false runs it uncompiled"
             ) from e
-        self.seconds = time.perf_counter() - start
         logger.info(
-            f"compile: {self.backend} built the {self.what} in {self.seconds:.1f} s "
+            f"compile: {self.backend} built the {self.what} in {time.perf_counter() - start:.1f} s "
             f"({len(live.graph.nodes)} of {len(self.graph.graph.nodes)} nodes live)"
         )
         return compiled

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor
 
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps
@@ -208,8 +209,6 @@ def _materialize(model: nn.Module, model_config, seed: int, device: torch.device
 
 def _unwrapped_name(name: str) -> str:
     """``name`` without the module torch's checkpoint wrapper adds (activation checkpointing)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-
     return name.replace(_CHECKPOINT_PREFIX, "")
 
 
