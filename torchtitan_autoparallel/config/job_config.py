@@ -163,6 +163,9 @@ class AutoParallel:
     overlap: bool = False  # price compute/communication overlap in the plan
     strided_sharding: bool = False  # let FSDP x TP shard one dimension twice (_StridedShard)
     optimality_check: bool = False  # solve the LP bound too and log the plan's certified gap
+    # Stop the exact search once the plan is proven within this relative gap (0.01: 1%)
+    # of the optimum; none: the ILP proves the optimum, the overlap MIP stops at 0.001
+    mip_gap: float | None = None
     # Run the step as one graph over local tensors, re-traced from the planned
     # interpreter on the first step: no DTensor dispatch per op (execute/compiled.py).
     compile: bool = True

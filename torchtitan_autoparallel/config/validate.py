@@ -73,6 +73,11 @@ def validate(c: JobConfig) -> None:
     if a.memory_budget_gib is not None:
         _at_least("autoparallel.memory_budget_gib", a.memory_budget_gib, 1e-9)
     _at_least("autoparallel.report_warn_gib", a.report_warn_gib, 0)
+    if a.mip_gap is not None and not 0 <= a.mip_gap < 1:
+        raise ConfigError(
+            f"autoparallel.mip_gap = {a.mip_gap} is not accepted; accepted: a relative gap "
+            "in [0, 1) (0.01: stop within 1% of the optimum), or none"
+        )
 
 
 def _validate_checkpoint(c: JobConfig) -> None:

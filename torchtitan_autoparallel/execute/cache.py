@@ -58,6 +58,7 @@ KEYED_PLAN_KWARGS = (
     "solver",
     "ilp_backend",
     "time_limit_s",
+    "mip_gap",
     "memory_budget_gib",
 )
 

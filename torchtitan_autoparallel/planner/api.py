@@ -70,6 +70,7 @@ def plan_stages(
     ilp_backend: str = "highs",
     time_limit_s: float | None = 300,
     optimality_check: bool = False,
+    mip_gap: float | None = None,
     memory_budget_gib: float | None = None,
     export_problem: str | None = None,
     loss_fn: LossFn = cross_entropy_loss,
@@ -87,6 +88,8 @@ def plan_stages(
     ``batch`` replace the token batch and cross-entropy for non-LLM models.
     ``solver`` is ``ilp``, ``lp``, ``approx`` or ``auto`` (``solvers/__init__.py``);
     ``optimality_check`` adds the LP bound to the plan's ``lower_bound``.
+    ``mip_gap`` stops the exact search once the plan is proven within that
+    relative gap (None: the ILP proves the optimum, the overlap MIP stops at 0.1%).
     ``activation_checkpoint`` ("none", "full", "selective") traces the step
     with each transformer block recomputed in the backward, so the plan prices
     and the executor runs the recomputation. ``strided_sharding`` lets the
@@ -141,8 +144,10 @@ def plan_stages(
     def solve() -> Solution:  # on the solving rank only
         kernels.warm_up()  # logs the one-off compile on a machine's first run
         if spec is not None:
-            return overlap_solver(solver, ilp_backend, spec).solve(built.problem, time_limit_s)
-        chosen = get_solver(solver, ilp_backend, optimality_check=optimality_check)
+            return overlap_solver(solver, ilp_backend, spec, mip_gap=mip_gap).solve(
+                built.problem, time_limit_s
+            )
+        chosen = get_solver(solver, ilp_backend, optimality_check=optimality_check, mip_gap=mip_gap)
         return chosen.solve(built.problem, time_limit_s)
 
     solution = solve_hook(built, solve) if solve_hook else solve()

@@ -68,6 +68,7 @@ def _plan_kwargs(job: JobConfig, runtime: Runtime, degrees: tuple[int, int, int]
         ilp_backend=a.ilp_backend,
         time_limit_s=a.time_limit_s,
         optimality_check=a.optimality_check,
+        mip_gap=a.mip_gap,
         memory_budget_gib=a.memory_budget_gib,
         strided_sharding=a.strided_sharding,
         overlap=a.overlap,

@@ -32,6 +32,7 @@ def check(job: JobConfig, ngpu: int) -> None:
         _check_cost_profile(job.autoparallel.cost_profile)
         check_planned_validation_shape(job)
         _warn_unused_fsdp_setting(job)
+        _warn_unused_mip_gap(job)
     else:
         _warn_unused_planner_settings(job)
     checkpoint.check_resume(job, entry.family)
@@ -104,6 +105,20 @@ def _warn_unused_fsdp_setting(job: JobConfig) -> None:
             f"warning: parallelism.fsdp_reshard_after_forward = {value!r} has no effect: "
             f"model.name = {job.model.name!r} is planned, and its plan decides which "
             "gathered weights the backward reuses",
+            file=sys.stderr,
+        )
+
+
+def _warn_unused_mip_gap(job: JobConfig) -> None:
+    """Only a MIP search stops at a gap: the LP (without overlap) and TRW-S run none."""
+    a = job.autoparallel
+    if a.mip_gap is None:
+        return
+    if a.solver == "approx" or (a.solver == "lp" and not a.overlap):
+        print(
+            f"warning: autoparallel.mip_gap = {a.mip_gap!r} has no effect: solver = {a.solver!r} "
+            "runs no MIP search; it applies to solver = ilp or auto"
+            + (" (and lp with overlap)" if a.solver == "lp" else ""),
             file=sys.stderr,
         )
 

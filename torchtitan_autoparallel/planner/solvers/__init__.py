@@ -7,7 +7,9 @@
 * ``auto``: ``ilp`` or ``approx`` by problem size (``solvers.auto``);
 * ``brute-force``: enumeration, the test oracle.
 
-``optimality_check`` adds the LP bound to whatever plan the solver returns.
+``optimality_check`` adds the LP bound to whatever plan the solver returns;
+``mip_gap`` lets the exact solvers (``ilp``, and ``auto`` on its exact branch)
+stop once their plan is proven within that relative gap.
 """
 
 from __future__ import annotations
@@ -19,18 +21,19 @@ from torchtitan_autoparallel.planner.solvers.auto import AutoSolver
 from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
 from torchtitan_autoparallel.planner.solvers.brute_force import BruteForceSolver
 from torchtitan_autoparallel.planner.solvers.cbc import CbcILPSolver
-from torchtitan_autoparallel.planner.solvers.ilp import HighsILPSolver, SolverTimeout
+from torchtitan_autoparallel.planner.solvers.ilp import MIP_REL_GAP, HighsILPSolver, SolverTimeout
 from torchtitan_autoparallel.planner.solvers.lp import CertifyingSolver, LPSolver
 from torchtitan_autoparallel.planner.solvers.presolve import Presolved, PresolvingSolver, presolve
 
 BACKENDS = ("highs", "cbc")
 
 
-def _ilp(backend: str) -> Solver:
+def _ilp(backend: str, mip_gap: float | None) -> Solver:
+    gap = MIP_REL_GAP if mip_gap is None else mip_gap
     if backend == "highs":
-        return HighsILPSolver()
+        return HighsILPSolver(mip_gap=gap)
     if backend == "cbc":
-        return CbcILPSolver()
+        return CbcILPSolver(mip_gap=gap)
     raise ValueError(f"unknown ILP backend {backend!r}; accepted: {', '.join(BACKENDS)}")
 
 
@@ -52,20 +55,28 @@ def _checked(solver: Solver, presolve: bool, check: bool) -> Solver:
     return CertifyingSolver(solver, reduce=presolve) if check else solver
 
 
-# name -> factory(backend, presolve, optimality_check)
-SOLVERS: dict[str, Callable[[str, bool, bool], Solver]] = {
-    "ilp": lambda backend, pre, check: _presolved(_ilp(backend), pre, check),
-    "lp": lambda backend, pre, check: _presolved(LPSolver(), pre, False),  # its bound is the LP's
-    "approx": lambda backend, pre, check: _checked(_approx(pre), pre, check),
-    "auto": lambda backend, pre, check: _checked(
-        AutoSolver(_presolved(_ilp(backend), pre, False), _approx(pre)), pre, check
-    ),
-    "brute-force": lambda backend, pre, check: _presolved(BruteForceSolver(), pre, False),
+def _auto(backend: str, pre: bool, check: bool, gap: float | None) -> Solver:
+    exact = _presolved(_ilp(backend, gap), pre, False)
+    return _checked(AutoSolver(exact, _approx(pre), accept_gap=gap or 0.0), pre, check)
+
+
+# name -> factory(backend, presolve, optimality_check, mip_gap)
+SOLVERS: dict[str, Callable[[str, bool, bool, float | None], Solver]] = {
+    "ilp": lambda backend, pre, check, gap: _presolved(_ilp(backend, gap), pre, check),
+    # the LP's bound is its own; it and the approximate solvers run no MIP to stop
+    "lp": lambda backend, pre, check, gap: _presolved(LPSolver(), pre, False),
+    "approx": lambda backend, pre, check, gap: _checked(_approx(pre), pre, check),
+    "auto": _auto,
+    "brute-force": lambda backend, pre, check, gap: _presolved(BruteForceSolver(), pre, False),
 }
 
 
 def get_solver(
-    name: str, backend: str = "highs", presolve: bool = True, optimality_check: bool = False
+    name: str,
+    backend: str = "highs",
+    presolve: bool = True,
+    optimality_check: bool = False,
+    mip_gap: float | None = None,
 ) -> Solver:
     """The solver registered under ``name``; ``backend`` picks the MIP engine.
 
@@ -73,6 +84,7 @@ def get_solver(
     ``solvers.presolve`` (ties collapsed, chains and leaves eliminated) and
     reports the expanded plan scored on the original problem. With
     ``optimality_check`` the LP bound is added to the plan's lower bound.
+    ``mip_gap`` (None: prove the optimum) stops the exact search at that relative gap.
     """
     try:
         factory = SOLVERS[name]
@@ -82,7 +94,7 @@ def get_solver(
         ) from None
     if backend not in BACKENDS:
         raise ValueError(f"unknown ILP backend {backend!r}; accepted: {', '.join(BACKENDS)}")
-    return factory(backend, presolve, optimality_check)
+    return factory(backend, presolve, optimality_check, mip_gap)
 
 
 __all__ = [

@@ -13,8 +13,9 @@ collapse. It is computed in milliseconds, before any solver runs.
   minute or more and TRW-S seconds.
 
 On the exact branch the ILP gets ``EXACT_SHARE`` of the time limit; if it
-stops short of a proof (a slow LP, a hard branch-and-bound), the approximate
-solver runs in the rest and the better plan is kept, with the better bound.
+stops short of a proof (a slow LP, a hard branch-and-bound) and outside
+``accept_gap`` (the ``mip_gap`` it was given), the approximate solver runs in
+the rest and the better plan is kept, with the better bound.
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ def choose(problem: Problem) -> tuple[str, str]:
 
 
 class AutoSolver:
-    def __init__(self, exact: Solver, approx: Solver, name: str = "auto") -> None:
+    def __init__(
+        self, exact: Solver, approx: Solver, name: str = "auto", accept_gap: float = 0.0
+    ) -> None:
         self.exact, self.approx, self.name = exact, approx, name
+        self.accept_gap = accept_gap
 
     def solve(self, problem: Problem, time_limit: float | None = None) -> Solution:
         start = time.perf_counter()
@@ -73,7 +77,7 @@ class AutoSolver:
     def _exact_first(self, problem: Problem, start: float, time_limit: float | None) -> Solution:
         share = None if time_limit is None else EXACT_SHARE * time_limit
         sol = self.exact.solve(problem, share)
-        if sol.status == "optimal":
+        if sol.status == "optimal" or (sol.status == "feasible" and sol.gap <= self.accept_gap):
             return sol
         left = None
         if time_limit is not None:

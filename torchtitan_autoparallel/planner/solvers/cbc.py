@@ -40,8 +40,9 @@ class CbcILPSolver(_IlpSolver):
     models (the root LP and preprocessing do not look at the clock), so the binary runs
     in its own session and is stopped, then killed, shortly after the deadline."""
 
-    def __init__(self, name: str = "ilp-cbc") -> None:
+    def __init__(self, name: str = "ilp-cbc", mip_gap: float = MIP_REL_GAP) -> None:
         self.name = name
+        self.mip_gap = mip_gap
 
     def _run(
         self, model: IlpModel, time_limit: float | None, problem: Problem | None = None
@@ -55,7 +56,8 @@ class CbcILPSolver(_IlpSolver):
             # writing the files counts against the limit too
             left = _remaining(t0, time_limit)
             LOG.info("%s: model written in %.2f s, running CBC", self.name, time.perf_counter() - t0)
-            exit_code = _launch_cbc(self.name, _cbc_args(model, paths, left), paths["log"], left)
+            args = _cbc_args(model, paths, left, self.mip_gap)
+            exit_code = _launch_cbc(self.name, args, paths["log"], left)
             with open(paths["log"], errors="replace") as f:
                 log_text = f.read()
             found = _read_solution(paths["sol"], model.num_col)
@@ -74,6 +76,8 @@ class CbcILPSolver(_IlpSolver):
         stopped = "Stopped on time" in log_text or word == "Stopped"
         if word == "Optimal" and values is not None:
             objective = float(model.col_cost @ values)
+            if self.stops_early and "within gap tolerance" in head:  # the log has the bound
+                return self._gap_status(_Run("optimal", values, objective, _cbc_bound(log_text, objective)))
             return _Run("optimal", values, objective, objective)
         if values is not None and word == "Stopped":
             run = _best_known(model, found, "time_limit")
@@ -102,8 +106,10 @@ def _cbc_path() -> str:
     return found
 
 
-def _cbc_args(model: IlpModel, paths: dict[str, str], time_limit: float | None) -> list[str]:
-    args = [_cbc_path(), paths["mps"], "-ratio", repr(MIP_REL_GAP), "-timeMode", "elapsed"]
+def _cbc_args(
+    model: IlpModel, paths: dict[str, str], time_limit: float | None, gap: float = MIP_REL_GAP
+) -> list[str]:
+    args = [_cbc_path(), paths["mps"], "-ratio", repr(gap), "-timeMode", "elapsed"]
     if model.start is not None:
         args += ["-mips", paths["mst"]]
     if time_limit is not None:

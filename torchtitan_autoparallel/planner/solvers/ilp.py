@@ -41,6 +41,7 @@ OPTIMAL_RTOL = 1e-9  # plan within this of its bound: optimal (as ``trws.OPTIMAL
 INTEGRALITY_TOL = 1e-6  # HiGHS' own default mip_feasibility_tolerance
 LP_SHARE = 0.7  # of the limit, for the LP relaxation before the MIP
 FALLBACK_SHARE = 0.1  # of the time limit, granted on top to the approximate fallback
+QUICK_SHARE = 0.1  # of the time limit, for the approximate plan tried first under a mip_gap
 
 
 class SolverTimeout(TimeoutError):
@@ -56,9 +57,28 @@ class _Run:
 
 
 class _IlpSolver:
-    """Shared flow: build, run the backend, verify, diagnose infeasibility."""
+    """Shared flow: build, run the backend, verify, diagnose infeasibility.
+
+    ``mip_gap``: the relative gap at which the search stops, measured on the
+    problem the solver is given (after the presolve, whose eliminated energy is
+    left out: costs are times, so the whole plan's gap is no larger); HiGHS and
+    CBC measure it on the model, without its constant energy too. Above
+    ``MIP_REL_GAP`` a plan stopped short of a proof reports "feasible" with the
+    bound that was proved."""
 
     name: str
+    mip_gap: float = MIP_REL_GAP
+
+    @property
+    def stops_early(self) -> bool:
+        return self.mip_gap > MIP_REL_GAP
+
+    def _gap_status(self, run: _Run) -> _Run:
+        """A search stopped at ``mip_gap`` says "optimal"; only a closed gap is."""
+        if run.status == "optimal" and self.stops_early:
+            if run.objective - run.bound > OPTIMAL_RTOL * max(abs(run.objective), 1.0):
+                run.status = "feasible"
+        return run
 
     def _run(
         self, model: IlpModel, time_limit: float | None, problem: Problem | None = None
@@ -77,7 +97,9 @@ class _IlpSolver:
             self.name, problem.num_nodes, len(problem.edges), model.describe(),
             time.perf_counter() - start,
         )
-        run = self._run(model, _remaining(start, time_limit), problem)
+        run = self._quick(problem, model, start, time_limit) or self._run(
+            model, _remaining(start, time_limit), problem
+        )
         if run.status == "infeasible":
             raise InfeasibleProblem(self._why_infeasible(problem, model, start, time_limit))
         if run.status == "no_solution":
@@ -97,6 +119,29 @@ class _IlpSolver:
             self.name, status, objective, lower, seconds,
         )
         return Solution(assignment, objective, lower, self.name, status, seconds)
+
+    def _quick(
+        self, problem: Problem, model: IlpModel, start: float, time_limit: float | None
+    ) -> _Run | None:
+        """With a ``mip_gap``: the approximate solver first (a fraction of a second), whose
+        plan is taken when its own bound already proves it within the gap: on 3-D meshes
+        the LP alone can take a minute."""
+        if not self.stops_early:
+            return None
+        share = None if time_limit is None else QUICK_SHARE * time_limit
+        sol = approximate(problem, share)
+        if sol is None:
+            return None
+        if model.start is None or problem.energy(sol.assignment) < problem.energy(model.start):
+            model.start = sol.assignment  # the MIP's warm start, should it run
+        if sol.gap > self.mip_gap:
+            return None
+        LOG.info(
+            "%s: the approximate plan is within %.3g%% of its bound (mip_gap %.3g%%); no LP or MIP",
+            self.name, 100 * sol.gap, 100 * self.mip_gap,
+        )
+        values = model.col_values(sol.assignment)
+        return _Run("feasible", values, float(model.col_cost @ values), sol.lower_bound - model.offset)
 
     def _approximate(self, problem: Problem, start: float, time_limit: float | None) -> Solution:
         """No plan in time: the approximate solver's plan (with its own bound) beats none."""
@@ -202,10 +247,12 @@ class _MipStats:
 
 class HighsILPSolver(_IlpSolver):
     def __init__(
-        self, name: str = "ilp-highs", threads: int | None = None, highs_presolve: bool = True
+        self, name: str = "ilp-highs", threads: int | None = None, highs_presolve: bool = True,
+        mip_gap: float = MIP_REL_GAP,
     ) -> None:
         self.name = name
         self.threads = threads
+        self.mip_gap = mip_gap
         # off when the model comes out of solvers.presolve: HiGHS' presolve then
         # finds little and can cost more than the solve itself
         self.highs_presolve = highs_presolve
@@ -229,6 +276,9 @@ class HighsILPSolver(_IlpSolver):
         if relaxed is not None and problem is not None:
             deadline = None if time_limit is None else start + time_limit
             fixed = self._fix(problem, model, relaxed, deadline)
+            known = None if fixed is None else self._known_within_gap(model, relaxed)
+            if known is not None:
+                return known
         run = self._run_mip(model, _remaining(start, time_limit), fixed)
         if fixed is not None and run.status in ("infeasible", "no_solution"):
             # only numerical trouble can get here: the known plan is in the restricted model
@@ -238,6 +288,18 @@ class HighsILPSolver(_IlpSolver):
         if relaxed is not None:
             run.bound = max(run.bound, relaxed.value)
         return run
+
+    def _known_within_gap(self, model: IlpModel, lp: Relaxation) -> _Run | None:
+        """The best known plan, when the LP already proves it within ``mip_gap``."""
+        values = model.col_values(model.start)
+        upper = float(model.col_cost @ values)
+        if not self.stops_early or upper - lp.value > self.mip_gap * abs(upper):
+            return None
+        LOG.info(
+            "%s: the best known plan is within %.3g%% of the LP bound (mip_gap %.3g%%); no MIP",
+            self.name, 100 * (upper - lp.value) / max(abs(upper), 1e-9), 100 * self.mip_gap,
+        )
+        return _Run("feasible", values, upper, lp.value)
 
     def certify(self, model: IlpModel, upper: float, time_limit: float | None) -> float:
         """A lower bound on the model's optimum (model space) given a plan of cost
@@ -348,7 +410,7 @@ class HighsILPSolver(_IlpSolver):
             raise ValueError(f"{self.name}: {model.num_nz} nonzeros exceed HiGHS' int32 indices")
         h = highspy.Highs()
         h.setOptionValue("output_flag", False)
-        h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
+        h.setOptionValue("mip_rel_gap", self.mip_gap)
         if time_limit is not None:
             h.setOptionValue("time_limit", float(time_limit))
         if self.threads is not None:
@@ -379,7 +441,7 @@ class HighsILPSolver(_IlpSolver):
         if ms in (kinds.kInfeasible, kinds.kUnboundedOrInfeasible):
             return _Run("infeasible")
         if ms == kinds.kOptimal:
-            status = "optimal"
+            status = "optimal"  # within mip_gap: closed, or "feasible" below
         elif ms in (kinds.kTimeLimit, kinds.kInterrupt, kinds.kIterationLimit,
                     kinds.kSolutionLimit):
             status = "time_limit" if has_solution else "no_solution"
@@ -388,4 +450,5 @@ class HighsILPSolver(_IlpSolver):
         if status == "no_solution":
             return _Run(status)
         values = np.asarray(h.getSolution().col_value, dtype=np.float64)
-        return _Run(status, values, info.objective_function_value, info.mip_dual_bound)
+        run = _Run(status, values, info.objective_function_value, info.mip_dual_bound)
+        return self._gap_status(run)

@@ -55,7 +55,9 @@ from torchtitan_autoparallel.planner.solvers.overlap_terms import empty_model, f
 from torchtitan_autoparallel.planner.solvers.presolve import ENERGY_RTOL
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
-OVERLAP_MIP_GAP = 1e-3  # relative; the plan's status says "feasible" when not closed
+# relative, the default mip_gap of the overlap MIP: the budget chains make its tree deep,
+# and the last fraction of a percent costs minutes; the proven bound is reported all the same
+OVERLAP_MIP_GAP = 1e-3
 SWEEP_SHARE = 0.3  # of the time limit, for the sweep whose best plan warm-starts the overlap MIP
 CERTIFY_RTOL = 1e-6
 
@@ -93,16 +95,6 @@ def overlap_objective(problem: Problem, spec: OverlapSpec, assignment: np.ndarra
     return problem.energy(assignment) - overlap_savings(problem, spec, assignment)
 
 
-class _GapHighs(HighsILPSolver):
-    """HiGHS stopping at ``OVERLAP_MIP_GAP``: the budget chains make the tree deep, and the
-    last fraction of a percent costs minutes; the proven bound is reported all the same."""
-
-    def _highs(self, model, time_limit, integer, **options):  # noqa: ANN001, ANN202 (as the parent)
-        h = super()._highs(model, time_limit, integer, **options)
-        h.setOptionValue("mip_rel_gap", OVERLAP_MIP_GAP)
-        return h
-
-
 @dataclass
 class _Instance:
     """What the overlap ILP is built on: the problem itself, or its overlap-exact reduction."""
@@ -129,14 +121,19 @@ def _instance(problem: Problem, spec: OverlapSpec, presolve: bool) -> _Instance:
 
 class OverlapSolver:
     """Energy minus overlap savings, on HiGHS or CBC; ``relax`` solves the LP and rounds.
-    ``presolve`` (default) solves the overlap-exact reduced problem (``overlap_presolve``)."""
+    ``presolve`` (default) solves the overlap-exact reduced problem (``overlap_presolve``).
+    ``mip_gap``: the MIP stops once its plan is proven within it, and a sweep plan
+    already proven within it skips the MIP. None (the default): the MIP stops at
+    ``OVERLAP_MIP_GAP``, and only a sweep plan that meets its bound skips it."""
 
     def __init__(self, spec: OverlapSpec, backend: str = "highs", relax: bool = False,
-                 presolve: bool = True) -> None:
+                 presolve: bool = True, mip_gap: float | None = None) -> None:
         self.spec = spec
         self.backend = backend
         self.relax = relax
         self.presolve = presolve
+        self.mip_gap = OVERLAP_MIP_GAP if mip_gap is None else mip_gap
+        self.sweep_gap = CERTIFY_RTOL if mip_gap is None else mip_gap
         kind = "lp" if relax else "ilp"
         self.name = f"{kind}-{backend}+overlap"
 
@@ -145,9 +142,10 @@ class OverlapSolver:
         if problem.num_nodes == 0:
             return Solution(np.zeros(0, np.int64), 0.0, 0.0, self.name, "optimal", 0.0)
         found = self._sweep(problem, time_limit)
-        if found is not None and _certified(found.objective, found.bound):
-            LOG.info("%s: the sweep's plan meets its bound; no MIP needed", self.name)
-            return _sweep_solution(found, self.name, "optimal", start)
+        if found is not None and _certified(found.objective, found.bound, self.sweep_gap):
+            LOG.info("%s: the sweep's plan is within %.3g%% of its bound; no MIP needed",
+                     self.name, 100 * _gap(found.objective, found.bound))
+            return _sweep_solution(found, self.name, "feasible", start)
         try:
             inst = _instance(problem, self.spec, self.presolve)
         except InfeasibleProblem:
@@ -211,8 +209,8 @@ class OverlapSolver:
         # What the warm start and the presolve used counts against the limit too.
         left = _remaining(start, time_limit)
         if self.backend == "cbc":
-            return CbcILPSolver(self.name)._run(model, left)
-        highs = _GapHighs(self.name, highs_presolve=True)
+            return CbcILPSolver(self.name, self.mip_gap)._run(model, left)
+        highs = HighsILPSolver(self.name, highs_presolve=True, mip_gap=self.mip_gap)
         if not self.relax:
             return highs._run(model, left)
         relaxed = _solve_relaxation(highs, model, left)
@@ -254,7 +252,7 @@ class OverlapSolver:
             raise RuntimeError(f"{self.name}: recomputed objective {objective!r} > solver's {solver_value!r}")
         bound = run.bound + inst.model.offset + inst.offset - inst.slack
         lower = min(objective, bound)
-        # a MIP stopped at OVERLAP_MIP_GAP reports "optimal"; only a closed gap is
+        # a MIP stopped at its mip_gap reports "optimal"; only a closed gap is
         status = "optimal" if objective - lower <= tol else ("time_limit" if run.status == "time_limit" else "feasible")
         seconds = time.perf_counter() - start
         LOG.info(
@@ -280,8 +278,12 @@ class OverlapSolver:
         return Solution(full, objective, -math.inf, self.name, "time_limit", time.perf_counter() - start)
 
 
-def _certified(objective: float, bound: float) -> bool:
-    return objective - bound <= CERTIFY_RTOL * max(abs(objective), 1.0)
+def _gap(objective: float, bound: float) -> float:
+    return (objective - bound) / max(abs(objective), 1.0)
+
+
+def _certified(objective: float, bound: float, gap: float = CERTIFY_RTOL) -> bool:
+    return _gap(objective, bound) <= gap
 
 
 def _sweep_solution(found: Sweep, name: str, status: str, start: float) -> Solution:
@@ -340,20 +342,23 @@ def _integral(model: OverlapIlpModel, col_value: np.ndarray) -> bool:
     return bool(np.minimum(np.abs(x), np.abs(1.0 - x)).max(initial=0.0) <= INTEGRALITY_TOL)
 
 
-def overlap_solver(name: str, backend: str, spec: OverlapSpec, presolve: bool = True) -> Solver:
+def overlap_solver(
+    name: str, backend: str, spec: OverlapSpec, presolve: bool = True, mip_gap: float | None = None
+) -> Solver:
     """The solver for ``[autoparallel] solver = name`` when overlap is on."""
     from torchtitan_autoparallel.planner.solvers import get_solver
     from torchtitan_autoparallel.planner.solvers.auto import AutoSolver
 
     if name == "brute-force":
         LOG.warning("overlap: the brute-force solver does not model overlap; using the exact ILP")
-        return OverlapSolver(spec, backend, relax=False, presolve=presolve)
+        return OverlapSolver(spec, backend, relax=False, presolve=presolve, mip_gap=mip_gap)
     if name not in ("ilp", "lp", "approx", "auto"):
         raise ValueError(f"unknown solver {name!r}; accepted: ilp, lp, approx, auto")
     if name in ("ilp", "lp"):
-        return OverlapSolver(spec, backend, relax=name == "lp", presolve=presolve)
+        return OverlapSolver(spec, backend, relax=name == "lp", presolve=presolve, mip_gap=mip_gap)
     approx = SweepOverlapSolver(spec, get_solver("approx", backend, presolve),
                                 lambda problem, x: overlap_objective(problem, spec, x))
     if name == "approx":
         return approx
-    return AutoSolver(OverlapSolver(spec, backend, presolve=presolve), approx)
+    exact = OverlapSolver(spec, backend, presolve=presolve, mip_gap=mip_gap)
+    return AutoSolver(exact, approx, accept_gap=mip_gap or 0.0)
