@@ -24,7 +24,7 @@ import platform
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -46,7 +46,6 @@ class Case:
     args: list[str]
     gaps: tuple[float | None, ...]  # None first: the reference run
     config: Path | None = None
-    extra: list[str] = field(default_factory=list)
 
 
 CASES = [

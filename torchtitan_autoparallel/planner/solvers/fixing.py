@@ -61,13 +61,15 @@ def best_known_plan(
     problem: Problem, model: IlpModel, lp: Relaxation, deadline: float | None
 ) -> np.ndarray | None:
     """The cheapest feasible plan among the model's warm start, the LP's rounded and
-    polished plan and the approximate solver's (given a share of the time left)."""
+    polished plan and the approximate solver's (given a share of the time left, unless
+    it already ran: ``model.approx``)."""
     node_marginals = marginals(problem, model, lp.col_value[: model.num_x])
     candidates = [model.start, round_and_polish(problem, node_marginals, deadline)]
     budget = None if deadline is None else APPROX_SHARE * max(deadline - time.perf_counter(), 0.0)
-    if budget is None or budget >= MIN_APPROX_S:
+    sol = model.approx
+    if sol is None and (budget is None or budget >= MIN_APPROX_S):
         sol = approximate(problem, budget)
-        candidates.append(None if sol is None else sol.assignment)
+    candidates.append(None if sol is None else sol.assignment)
     return cheapest(problem, candidates)
 
 

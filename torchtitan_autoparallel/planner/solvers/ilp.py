@@ -129,7 +129,7 @@ class _IlpSolver:
         if not self.stops_early:
             return None
         share = None if time_limit is None else QUICK_SHARE * time_limit
-        sol = approximate(problem, share)
+        sol = model.approx = approximate(problem, share)
         if sol is None:
             return None
         if model.start is None or problem.energy(sol.assignment) < problem.energy(model.start):
@@ -291,9 +291,11 @@ class HighsILPSolver(_IlpSolver):
 
     def _known_within_gap(self, model: IlpModel, lp: Relaxation) -> _Run | None:
         """The best known plan, when the LP already proves it within ``mip_gap``."""
+        if not self.stops_early:
+            return None
         values = model.col_values(model.start)
         upper = float(model.col_cost @ values)
-        if not self.stops_early or upper - lp.value > self.mip_gap * abs(upper):
+        if upper - lp.value > self.mip_gap * abs(upper):
             return None
         LOG.info(
             "%s: the best known plan is within %.3g%% of the LP bound (mip_gap %.3g%%); no MIP",
@@ -327,7 +329,7 @@ class HighsILPSolver(_IlpSolver):
             "%s: the LP relaxation did not finish; the approximate solver gets the time left",
             self.name,
         )
-        sol = approximate(problem, time_limit)
+        sol = model.approx or approximate(problem, time_limit)
         plan = cheapest(problem, [model.start, None if sol is None else sol.assignment])
         if plan is None:
             return _Run("no_solution")

@@ -24,9 +24,14 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+
+if TYPE_CHECKING:
+    from torchtitan_autoparallel.planner.solvers.base import Solution
 
 GIB = float(2**30)
 
@@ -48,6 +53,8 @@ class IlpModel:
     memory_offset: float  # sum of the per-node minima, in budgets
     y_pair: np.ndarray  # (num_y, 2) the two x columns each y column is the product of
     start: np.ndarray | None = None  # a feasible plan to warm-start from, if greedy found one
+    # the approximate solver's result on the problem, once a solver ran it: not run twice
+    approx: Solution | None = None
 
     @property
     def num_x(self) -> int:
@@ -101,6 +108,7 @@ class IlpModel:
             row_upper=self.row_upper[:-1],
             offset=self.memory_offset,
             has_memory_row=False,
+            approx=None,  # its bound is for time, not memory
         )
 
 
