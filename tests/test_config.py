@@ -111,6 +111,30 @@ def test_optional_float_accepts_none(text: str) -> None:
     assert load_config(["--lr_scheduler.decay_ratio", "0.5"]).lr_scheduler.decay_ratio == 0.5
 
 
+def test_torchtitan_flag_spellings() -> None:
+    """tyro's forms, which torchtitan users type: a bool key alone, no- before it, hyphens."""
+    job = load_config(
+        ["--training.deterministic", "--training.steps", "4", "--compile.no-enable",
+         "--parallelism.tensor-parallel-degree", "2", "--activation-checkpoint.mode", "full"]
+    )
+    assert job.training.deterministic is True and job.training.steps == 4
+    assert job.compile.enable is False and job.parallelism.tensor_parallel_degree == 2
+    assert job.activation_checkpoint.mode == "full"
+    assert load_config(["--compile.enable", "--compile.no_enable"]).compile.enable is False
+    assert load_config(["--training.steps", "2", "--autoparallel.overlap"]).autoparallel.overlap is True
+    assert load_config(["--autoparallel.overlap", "false"]).autoparallel.overlap is False
+    assert load_config(["--checkpoint.enable_checkpoint"]).checkpoint.enable is True  # renamed key
+
+
+def test_flag_spellings_keep_their_errors() -> None:
+    with raises_config(r"compile\.enable = 'maybe' in command line is not a valid bool"):
+        load_config(["--compile.enable", "maybe"])
+    with raises_config(r"override '--autoparallel\.mip_gap' has no value"):
+        load_config(["--autoparallel.mip_gap", "--training.steps", "3"])
+    with raises_config(r"parallelism\.enable_async_tensor_parallel = 'true' .* not supported"):
+        load_config(["--parallelism.enable_async_tensor_parallel"])
+
+
 def test_last_override_wins() -> None:
     assert load_config(["--training.steps", "3", "--training.steps", "4"]).training.steps == 4
 

@@ -20,6 +20,8 @@ USAGE = """usage: [NGPU=N] [CONFIG_FILE=job.toml] ./run_train.sh [--section.key 
 
 Every key of the TOML job file can be set on the command line as --section.key value
 (or --section.key=value); the command line wins over the file, the file over the default.
+A bool key alone is true and with no- before it false, as in torchtitan: --compile.enable,
+--compile.no-enable.
 Environment: NGPU (ranks), CONFIG_FILE, LOG_RANK (ranks whose output is shown),
 COMM_MODE=fake_backend (one process plans for NGPU ranks), CALIBRATE=1 (measure this
 cluster); see the head of run_train.sh and the README."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import tomli
 
-from torchtitan_autoparallel.config.compat import INERT_SECTIONS, Inert, translate
+from torchtitan_autoparallel.config.compat import INERT, INERT_SECTIONS, Inert, translate
 from torchtitan_autoparallel.config.job_config import SECTIONS, JobConfig
 from torchtitan_autoparallel.config.validate import validate
 from torchtitan_autoparallel.errors import ConfigError
@@ -48,7 +48,12 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 
 def parse_overrides(argv: list[str]) -> dict[str, dict[str, str]]:
-    """``['--training.steps', '5', '--x.y=z']`` -> ``{'training': {'steps': '5'}, 'x': {'y': 'z'}}``."""
+    """``['--training.steps', '5', '--x.y=z']`` -> ``{'training': {'steps': '5'}, 'x': {'y': 'z'}}``.
+
+    torchtitan's own spellings (its CLI is tyro's) read the same: a bool key
+    alone is true (``--compile.enable``), ``no-`` before it is false
+    (``--compile.no-enable``), and ``-`` in a name reads as ``_``.
+    """
     out: dict[str, dict[str, str]] = {}
     i = 0
     while i < len(argv):
@@ -58,15 +63,51 @@ def parse_overrides(argv: list[str]) -> dict[str, dict[str, str]]:
                 f"unexpected argument {arg!r}; overrides look like --section.key value"
             )
         key, eq, value = arg[2:].partition("=")
+        section, _, name = key.replace("-", "_").partition(".")
         if not eq:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"override {arg!r} has no value; use {arg} VALUE")
-            value = argv[i + 1]
-            i += 1
-        section, _, name = key.partition(".")
+            following = argv[i + 1] if i + 1 < len(argv) else None
+            name, value = _flag(section, name, following)
+            if value is None:
+                if following is None or _is_override(following):
+                    raise ConfigError(f"override {arg!r} has no value; use {arg} VALUE")
+                value = following
+                i += 1
         out.setdefault(section, {})[name] = value
         i += 1
     return out
+
+
+def _flag(section: str, name: str, following: str | None) -> tuple[str, str | None]:
+    """``name`` and its value where ``--section.name`` stands alone as a bool flag
+    (the value None where the next argument is the value)."""
+    if _is_bool_key(section, name):
+        alone = following is None or _is_override(following)
+        return name, "true" if alone else None  # else the spelled-out --compile.enable true
+    positive = name.removeprefix("no_")
+    if positive != name and _is_bool_key(section, positive) and not _is_key(section, name):
+        return positive, "false"
+    return name, None
+
+
+def _is_override(arg: str) -> bool:
+    """Whether ``arg`` starts the next override rather than being a value (``-1`` is a value)."""
+    return arg.startswith("--") and "." in arg and arg[2:3].isalpha()
+
+
+def _section_hints(section: str) -> dict[str, Any]:
+    if section not in SECTIONS:
+        return {}
+    return typing.get_type_hints(typing.get_type_hints(JobConfig)[section])
+
+
+def _is_key(section: str, name: str) -> bool:
+    return name in _section_hints(section) or (section, name) in INERT
+
+
+def _is_bool_key(section: str, name: str) -> bool:
+    key = translate(section, name)
+    hint = key.hint if isinstance(key, Inert) else _section_hints(section).get(key)
+    return hint is not None and not _is_str_list(hint) and bool in _base_types(hint)
 
 
 def _apply(config: JobConfig, data: dict[str, Any], *, source: str, from_cli: bool) -> None:
