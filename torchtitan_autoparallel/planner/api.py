@@ -99,21 +99,7 @@ def plan_stages(
     by the theta sweep of ``solvers/overlap_lagrange.py``), ``approx`` runs the
     sweep on TRW-S, ``auto`` picks by problem size.
     """
-    timings: dict[str, float] = {}
-    peak_rss: dict[str, float] = {}
-    start = clock = time.perf_counter()
-
-    def lap(stage: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        timings[stage] = now - clock
-        peak_rss[stage] = _peak_rss_gib()
-        clock = now
-        log.info(
-            "planner stage %-10s done in %.2f s (%.1f s elapsed, peak RSS %.2f GiB)",
-            stage, timings[stage], now - start, peak_rss[stage],
-        )
-
+    clock = _StageClock()
     names = tuple(mesh.mesh_dim_names or ())
     log.info("planning on mesh %s %s, batch %d x %d", names, tuple(mesh.mesh.shape), global_batch_size, seq_len)
     traced = trace_training_step(
@@ -126,11 +112,11 @@ def plan_stages(
         batch=batch,
         activation_checkpoint=activation_checkpoint,
     )
-    lap("trace")
+    clock.lap("trace")
     table = enumerate_strategies(traced, mesh, strided_sharding)
     if table.replicated_ops:
         log.warning("ops replicated for lack of a sharding rule: %s", ", ".join(table.replicated_ops))
-    lap("strategies")
+    clock.lap("strategies")
     ties = repeated_layer_ties(traced, table)
     pricer.warm_up()  # logs the one-off compile of the redistribution search
     built = build_problem(traced, table, profile, memory_budget_gib, ties)
@@ -138,7 +124,7 @@ def plan_stages(
         Path(export_problem).parent.mkdir(parents=True, exist_ok=True)
         built.problem.save(export_problem)
         log.info("problem written to %s", export_problem)
-    lap("build")
+    clock.lap("build")
     spec = overlap_spec(built, traced) if overlap else None
 
     def solve() -> Solution:  # on the solving rank only
@@ -151,29 +137,51 @@ def plan_stages(
         return chosen.solve(built.problem, time_limit_s)
 
     solution = solve_hook(built, solve) if solve_hook else solve()
+    _log_solution(solution, time_limit_s)
+    clock.lap("solve")
+    plan = plan_from_solution(solution, built, traced, clock.timings)
+    if spec is not None:
+        add_overlap_prediction(plan, built, spec, solution.assignment)
+    _add_step_terms(plan, traced, profile)
+    clock.lap("plan")
+    plan.peak_rss_gib = clock.peak_rss
+    plan.timings["total"] = clock.elapsed()
+    log.info("planner total %.2f s", plan.timings["total"])
+    return PlannedStages(plan, traced, built, solution)
+
+
+class _StageClock:
+    """Each planner stage's seconds and the memory high-water mark after it, logged as it ends."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+        self.peak_rss: dict[str, float] = {}
+        self._start = self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.timings[stage] = now - self._last
+        self.peak_rss[stage] = _peak_rss_gib()
+        self._last = now
+        log.info(
+            "planner stage %-10s done in %.2f s (%.1f s elapsed, peak RSS %.2f GiB)",
+            stage, self.timings[stage], now - self._start, self.peak_rss[stage],
+        )
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start
+
+
+def _log_solution(solution: Solution, time_limit_s: float | None) -> None:
     log.info(
         "solve: %s %s, objective %.1f us, bound %.1f us, gap %.2e",
-        solution.solver,
-        solution.status,
-        solution.objective,
-        solution.lower_bound,
-        solution.gap,
+        solution.solver, solution.status, solution.objective, solution.lower_bound, solution.gap,
     )
     if solution.status == "time_limit":
         log.warning(
             "solve: the time limit (%s s) stopped %s; the plan is proven within %.3g%% of the optimum",
             time_limit_s, solution.solver, 100 * solution.gap,
         )
-    lap("solve")
-    plan = plan_from_solution(solution, built, traced, timings)
-    if spec is not None:
-        add_overlap_prediction(plan, built, spec, solution.assignment)
-    _add_step_terms(plan, traced, profile)
-    lap("plan")
-    plan.peak_rss_gib = peak_rss
-    plan.timings["total"] = time.perf_counter() - start
-    log.info("planner total %.2f s", plan.timings["total"])
-    return PlannedStages(plan, traced, built, solution)
 
 
 def _add_step_terms(plan: Plan, traced, profile: HardwareProfile) -> None:
