@@ -290,24 +290,7 @@ def build_ilp(problem: Problem) -> IlpModel:
 
     _add_tie_rows(problem, allowed, xcol, coo)
     col_memory = np.zeros(num_col)
-    memory_offset = 0.0
-    has_memory_row = False
-    if problem.memory_budget is not None:
-        # in units of the budget, so the solver's absolute row tolerance (1e-6)
-        # matches the relative slack of Problem.is_feasible
-        scale = problem.memory_budget if problem.memory_budget > 0 else GIB
-        memory = _padded([_memory_of(problem, v) for v in range(n)], k, 0.0)
-        per_node = np.where(allowed, memory, np.inf).min(axis=1)
-        memory_offset = float(per_node.sum()) / scale
-        col_memory[: len(x_node)] = (memory[x_node, x_strategy] - per_node[x_node]) / scale
-        nz = np.flatnonzero(col_memory)
-        budget = problem.memory_budget / scale - memory_offset
-        if not len(nz) and budget < 0:  # every plan needs the same memory
-            raise InfeasibleProblem(memory_message(problem.memory_budget, memory_offset * scale))
-        if len(nz):
-            row = coo.new_rows(1, -np.inf, budget)
-            coo.add(np.full(len(nz), row), nz, col_memory[nz])
-            has_memory_row = True
+    memory_offset, has_memory_row = _add_memory_row(problem, allowed, col_memory, coo)
     start, index, value, lower, upper = coo.to_csr()
     return IlpModel(
         num_nodes=n,
@@ -326,6 +309,33 @@ def build_ilp(problem: Problem) -> IlpModel:
         y_pair=np.concatenate(y_pairs),
         start=_greedy_plan(problem, allowed, unary),
     )
+
+
+def _add_memory_row(
+    problem: Problem, allowed: np.ndarray, col_memory: np.ndarray, coo: _Coo
+) -> tuple[float, bool]:
+    """Fill the x columns of ``col_memory`` and add the budget row where a plan's memory
+    can vary; returns the memory every plan needs (in budget units) and whether the row exists."""
+    if problem.memory_budget is None:
+        return 0.0, False
+    # in units of the budget, so the solver's absolute row tolerance (1e-6)
+    # matches the relative slack of Problem.is_feasible
+    scale = problem.memory_budget if problem.memory_budget > 0 else GIB
+    k = problem.num_strategies
+    x_node, x_strategy = np.nonzero(allowed)
+    memory = _padded([_memory_of(problem, v) for v in range(problem.num_nodes)], k, 0.0)
+    per_node = np.where(allowed, memory, np.inf).min(axis=1)
+    memory_offset = float(per_node.sum()) / scale
+    col_memory[: len(x_node)] = (memory[x_node, x_strategy] - per_node[x_node]) / scale
+    nz = np.flatnonzero(col_memory)
+    budget = problem.memory_budget / scale - memory_offset
+    if not len(nz):
+        if budget < 0:  # every plan needs the same memory
+            raise InfeasibleProblem(memory_message(problem.memory_budget, memory_offset * scale))
+        return memory_offset, False
+    row = coo.new_rows(1, -np.inf, budget)
+    coo.add(np.full(len(nz), row), nz, col_memory[nz])
+    return memory_offset, True
 
 
 def _add_tie_rows(problem: Problem, allowed: np.ndarray, xcol: np.ndarray, coo: _Coo) -> None:
