@@ -9,6 +9,7 @@ from __future__ import annotations
 import types
 import typing
 from dataclasses import fields
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,7 @@ def _is_override(arg: str) -> bool:
     return arg.startswith("--") and "." in arg and arg[2:3].isalpha()
 
 
+@cache  # asked up to three times per argument
 def _section_hints(section: str) -> dict[str, Any]:
     if section not in SECTIONS:
         return {}

@@ -132,7 +132,7 @@ class _IlpSolver:
         sol = model.approx = approximate(problem, share)
         if sol is None:
             return None
-        if model.start is None or problem.energy(sol.assignment) < problem.energy(model.start):
+        if model.start is None or sol.objective < problem.energy(model.start):
             model.start = sol.assignment  # the MIP's warm start, should it run
         if sol.gap > self.mip_gap:
             return None

@@ -23,7 +23,6 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-
 from typing import TYPE_CHECKING
 
 import numpy as np
