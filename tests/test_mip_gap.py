@@ -20,7 +20,6 @@ from torchtitan_autoparallel.config import load_config
 from torchtitan_autoparallel.errors import ConfigError
 from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.solvers import (
-    ApproxSolver,
     CbcILPSolver,
     HighsILPSolver,
     auto,

@@ -7,7 +7,6 @@ machine without it fails here with the command to install it, never skips.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path

@@ -25,6 +25,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench_args import add_case_args, pick_cases, rewrite_report  # noqa: E402  (experiments/)
+
 
 
 @dataclass(frozen=True)
@@ -218,19 +222,14 @@ def write_markdown(results: list[dict], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="", help="run the cases whose name contains this text")
+    add_case_args(parser)
     parser.add_argument("--solver", default="ilp", choices=SOLVER_ORDER)
     parser.add_argument("--time-limit", type=float, default=600.0, help="per solve, seconds")
-    parser.add_argument("--report-only", action="store_true", help="rewrite README.md from results.json")
     args = parser.parse_args()
-    out = HERE / "results.json"
     if args.report_only:
-        write_markdown(json.loads(out.read_text()), HERE / "README.md")
-        return 0
-    cases = [c for c in CASES if args.only in c.name]
-    if not cases:
-        print(f"error: no case matches {args.only!r}; cases: {[c.name for c in CASES]}", file=sys.stderr)
-        return 2
+        return rewrite_report(HERE, write_markdown)
+    cases = pick_cases(CASES, args.only)
+    out = HERE / "results.json"
     # one row pair per (case, solver): another solver's run adds rows, it does not replace them
     previous = {_key(r): r for r in json.loads(out.read_text())} if out.exists() else {}
     for case in cases:

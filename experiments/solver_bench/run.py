@@ -31,6 +31,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench_args import add_case_args, rewrite_report  # noqa: E402  (experiments/)
+
 LOOSE = 4.0  # the loose budget, as a multiple of the tightest
 SOLVERS = ("ilp-highs", "ilp-cbc", "lp", "approx")
 GRACE_S = 600  # beyond the time limit before a solver's process is killed
@@ -307,7 +311,7 @@ def _cases(only: str) -> list[tuple[Model, Mesh, str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="", help="run the cases whose name contains this text")
+    add_case_args(parser)
     parser.add_argument(
         "--solvers", default=",".join(SOLVERS),
         help="comma-separated subset of " + ", ".join(SOLVERS) + "; a name ending in '+check' "
@@ -315,12 +319,10 @@ def main() -> int:
     )
     parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per solver and case")
     parser.add_argument("--problems", default="/tmp/solver_bench_problems", help="where built problems are kept")
-    parser.add_argument("--report-only", action="store_true", help="rewrite README.md from results.json")
     args = parser.parse_args()
     out = HERE / "results.json"
     if args.report_only:
-        write_markdown(json.loads(out.read_text()), HERE / "README.md")
-        return 0
+        return rewrite_report(HERE, write_markdown)
     cases = _cases(args.only)
     if not cases:
         print(f"error: no case matches {args.only!r}", file=sys.stderr)

@@ -22,6 +22,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench_args import add_case_args, pick_cases, rewrite_report  # noqa: E402  (experiments/)
+
 D2 = ("dp_shard", "tp")
 
 
@@ -154,17 +158,12 @@ through the launcher)."""
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--only", default="", help="run the cases whose name contains this text")
-    parser.add_argument("--report-only", action="store_true", help="rewrite README.md from results.json")
+    add_case_args(parser)
     args = parser.parse_args()
-    out = HERE / "results.json"
     if args.report_only:
-        write_markdown(json.loads(out.read_text()), HERE / "README.md")
-        return 0
-    cases = [c for c in CASES if args.only in c.name]
-    if not cases:
-        print(f"error: no case matches {args.only!r}; cases: {[c.name for c in CASES]}", file=sys.stderr)
-        return 2
+        return rewrite_report(HERE, write_markdown)
+    cases = pick_cases(CASES, args.only)
+    out = HERE / "results.json"
     previous = {(r["case"], r["strided_sharding"]): r for r in json.loads(out.read_text())} if out.exists() else {}
     for case in cases:
         for strided in (False, True):
