@@ -4,6 +4,7 @@ For both debug models, the planner's plan on 2 ranks DDP, 2 ranks FSDP,
 2 ranks TP, 4 ranks FSDP 2 x TP 2 and 4 ranks HSDP 2 x 2, and for llama3 on
 8 ranks FSDP 2 x TP 4, logs the 1-rank losses at the same global batch within
 1e-4 relative; so does FSDP on 2 ranks accumulating gradients over two micro-batches. A second start of the same job reuses the cached plan.
+Weights built once on rank 0 and scattered give the same run, bit for bit.
 """
 
 from __future__ import annotations
@@ -92,6 +93,30 @@ def test_auto_parallel_gradient_accumulation_matches_one_rank(runs: Runs) -> Non
                    + r["predicted_host_s"] + r["predicted_alloc_s"])
         assert planned > 0
         assert r["predicted_step_s"] == pytest.approx(2 * planned + r["predicted_optimizer_s"], rel=1e-9)
+
+
+def test_weights_scattered_from_rank0_train_bit_for_bit_alike(runs: Runs) -> None:
+    """``training.full_init_max_gib = 0``: rank 0 alone builds the model (the path of
+    models too large to build on every rank), and each tensor is scattered over the
+    2 x 2 mesh; the plan and every logged number equal the run whose ranks each built it."""
+    whole = runs.auto("llama3", "fsdp_tp")
+    ngpu, extra, _ = PLANS["fsdp_tp"]
+    folder = runs.root / "llama3-auto_fsdp_tp-scattered"
+    run = run_launcher(
+        ["--job.dump_folder", folder, "--model.name", "llama3_auto_parallel", *extra,
+         "--training.full_init_max_gib", "0", "--training.steps", STEPS, "--training.seq_len", SEQ_LEN,
+         "--training.local_batch_size", GLOBAL_BATCH // 2,
+         "--metrics.enable_tensorboard", "false", "--metrics.peak_tflops", "1"],
+        ngpu=ngpu, config=CONFIGS["llama3"],
+    )  # fmt: skip
+    assert run.returncode == 0, run.tail()
+    assert "once in rank 0's host memory, then scattering each tensor" in run.stdout + run.stderr, run.tail()
+    plans = [json.loads((runs.root / name / "plan.json").read_text())["parameters"]
+             for name in ("llama3-auto_fsdp_tp", folder.name)]  # fmt: skip
+    assert plans[0] == plans[1]
+    scattered = read_metrics(folder)
+    assert [r["loss"] for r in scattered] == [r["loss"] for r in whole]
+    assert [r["grad_norm"] for r in scattered] == [r["grad_norm"] for r in whole]
 
 
 def test_auto_parallel_second_start_hits_the_plan_cache(runs: Runs) -> None:

@@ -86,6 +86,7 @@ def fsdp_bf16():
 
     from torchtitan_autoparallel.execute.parity import ParityConfig, batch, full_model
     from torchtitan_autoparallel.execute.pipeline import plan_and_build
+    from torchtitan_autoparallel.execute.step import FullValues
     from torchtitan_autoparallel.planner.profiles import load_profile
 
     owned = not dist.is_initialized()
@@ -99,7 +100,7 @@ def fsdp_bf16():
         full = full_model(cfg)
         planned = plan_and_build(
             build_meta_model("llama3", "debugmodel", n_layers=cfg.layers), mesh,
-            dict(full.named_parameters()), dict(full.named_buffers()),
+            lambda plan: FullValues.of(full),
             global_batch_size=cfg.batch, seq_len=cfg.seq_len, profile=load_profile("cpu_gloo"),
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
         )  # fmt: skip

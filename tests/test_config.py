@@ -273,6 +273,7 @@ def test_bad_enum_values(argv: list[str], match: str) -> None:
         (["--training.local_batch_size", "0"], r"training\.local_batch_size = 0 is too small"),
         (["--training.seq_len", "1"], r"training\.seq_len = 1 is too small; accepted: >= 2"),
         (["--training.gc_freq", "0"], r"training\.gc_freq = 0 is too small; accepted: >= 1"),
+        (["--training.full_init_max_gib", "-1"], r"training\.full_init_max_gib = -1\.0 is too small; accepted: >= 0"),
         (["--training.global_batch_size", "0"], r"training\.global_batch_size = 0 is too small; accepted: >= 1"),
         (["--optimizer.lr", "-1"], r"optimizer\.lr = -1\.0 is too small"),
         (["--lr_scheduler.decay_ratio", "1.5"], r"lr_scheduler\.decay_ratio = 1\.5; accepted: 0\.\.1 or none"),

@@ -229,7 +229,7 @@ def test_trace_devices_follow_the_shards():
 
 def test_parameters_are_placed_as_planned_and_bound_to_a_model(mesh2):
     from torchtitan_autoparallel.execute.parity import full_model
-    from torchtitan_autoparallel.execute.step import build_executable
+    from torchtitan_autoparallel.execute.step import FullValues, build_executable
     from torchtitan_autoparallel.models.registry import build_meta_model
     from torchtitan_autoparallel.planner.build import build_problem
     from torchtitan_autoparallel.planner.cost_model import placement_str
@@ -244,7 +244,7 @@ def test_parameters_are_placed_as_planned_and_bound_to_a_model(mesh2):
     solution = get_solver("ilp").solve(built.problem, 120)
     plan = plan_from_solution(solution, built, traced)
     full = full_model(ParityConfig(), layers=1)
-    step = build_executable(traced, built, solution, mesh2, dict(full.named_parameters()), dict(full.named_buffers()))
+    step = build_executable(traced, built, solution, mesh2, FullValues.of(full))
     for fqn, param in step.params.items():
         assert [placement_str(p) for p in param.placements] == plan.parameters[fqn], fqn
         # rank 0 keeps the first slice of the full init: no data moved, values unchanged

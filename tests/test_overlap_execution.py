@@ -152,6 +152,7 @@ def _planned_fsdp_step():
 
     from torchtitan_autoparallel.execute.parity import ParityConfig, batch, full_model
     from torchtitan_autoparallel.execute.pipeline import plan_and_build
+    from torchtitan_autoparallel.execute.step import FullValues
     from torchtitan_autoparallel.models.registry import build_meta_model
     from torchtitan_autoparallel.planner.profiles import load_profile
 
@@ -160,8 +161,7 @@ def _planned_fsdp_step():
     planned = plan_and_build(
         build_meta_model(cfg.family, "debugmodel", n_layers=cfg.layers),
         init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",)),
-        dict(full.named_parameters()),
-        dict(full.named_buffers()),
+        lambda plan: FullValues.of(full),
         global_batch_size=cfg.batch,
         seq_len=cfg.seq_len,
         profile=load_profile("cpu_gloo"),

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -137,7 +136,9 @@ def test_root_cause_is_not_a_rank_the_agent_stopped(tmp_path: Path) -> None:
     # a rank killed with nothing else failing (say, out of memory) is the root cause
     killed = _failure(tmp_path, 0, -9, None)
     assert failures.root_cause({0: killed}) == (0, killed)
-    assert failures.describe(0, killed, hidden=False) == "rank 0 was killed by SIGKILL"
+    assert failures.describe(0, killed, hidden=False) == f"rank 0 was killed by SIGKILL ({failures.KILLED_HINT})"
+    stopped_line = failures.describe(0, stopped, hidden=False)
+    assert stopped_line == "rank 0 was killed by SIGTERM", stopped_line  # no hint: the agent's own stop
 
 
 def test_exit_2_without_a_message_is_named_as_a_failure(tmp_path: Path, capsys) -> None:

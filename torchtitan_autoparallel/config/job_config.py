@@ -35,6 +35,11 @@ class Training:
     gc_freq: int = 50  # steps between garbage collections, on every rank at once
     seq_len: int = 256
     seed: int = 0
+    # A model of at most this many GiB of parameters is initialised whole on every
+    # rank (the 1-rank weights, bit for bit); a larger planned model once on rank 0
+    # and scattered (the same weights, train/initial.py), a larger hand-written one
+    # by torchtitan's sharded init (other weights)
+    full_init_max_gib: float = 2.0
     deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms)
     max_norm: float = 1.0  # gradient clipping by global norm
     mixed_precision_param: str = "float32"

@@ -39,6 +39,7 @@ def validate(c: JobConfig) -> None:
         _at_least("training.global_batch_size", t.global_batch_size, 1)
     _at_least("training.seq_len", t.seq_len, 2)
     _at_least("training.gc_freq", t.gc_freq, 1)
+    _at_least("training.full_init_max_gib", t.full_init_max_gib, 0)
     _at_least("training.max_norm", t.max_norm, 0)
     _choice("training.mixed_precision_param", t.mixed_precision_param, DTYPES)
     _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ("float32",))

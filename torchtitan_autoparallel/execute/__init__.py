@@ -2,7 +2,7 @@
 
 Public entry points:
 
-* ``build_executable(traced, built, solution, mesh, full_params, full_buffers)
+* ``build_executable(traced, built, solution, mesh, FullValues(...))
   -> PlannedStep``: parameters placed as planned, ``step(tokens, labels) ->
   (loss, grads)`` running the joint graph with exactly the planned
   redistributions;
@@ -29,7 +29,7 @@ from torchtitan_autoparallel.execute.audit import audit, executed_collectives, e
 from torchtitan_autoparallel.execute.interpreter import PlanExecutionError
 from torchtitan_autoparallel.execute.optim import build_adamw, clip_grad_norm, global_grad_norm, optimizer_step
 from torchtitan_autoparallel.execute.pipeline import PlannedTraining, plan_and_build
-from torchtitan_autoparallel.execute.step import PlannedStep, StepOutput, build_executable
+from torchtitan_autoparallel.execute.step import FullValues, PlannedStep, StepOutput, build_executable
 
 __all__ = [
     "PlanExecutionError",
@@ -42,6 +42,7 @@ __all__ = [
     "audit",
     "build_adamw",
     "build_executable",
+    "FullValues",
     "check_same_problem",
     "clip_grad_norm",
     "executed_collectives",

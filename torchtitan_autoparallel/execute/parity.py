@@ -119,6 +119,7 @@ def run_planned(
     from torchtitan_autoparallel.execute.audit import audit
     from torchtitan_autoparallel.execute.optim import build_adamw, optimizer_step
     from torchtitan_autoparallel.execute.pipeline import plan_and_build
+    from torchtitan_autoparallel.execute.step import FullValues
     from torchtitan_autoparallel.models.registry import build_meta_model
     from torchtitan_autoparallel.planner.profiles import load_profile
 
@@ -130,8 +131,7 @@ def run_planned(
     planned = plan_and_build(
         build_meta_model(cfg.family, "debugmodel", n_layers=layers),
         mesh,
-        dict(full.named_parameters()),
-        dict(full.named_buffers()),
+        lambda plan: FullValues.of(full),
         global_batch_size=cfg.batch,
         seq_len=cfg.seq_len,
         profile=load_profile("h100" if device_type == "cuda" else "cpu_gloo"),

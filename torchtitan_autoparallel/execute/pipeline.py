@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_autoparallel.execute.cache import cached_solve_hook, plan_settings
-from torchtitan_autoparallel.execute.step import PlannedStep, build_executable
+from torchtitan_autoparallel.execute.step import FullValues, PlannedStep, build_executable
 from torchtitan_autoparallel.planner.api import plan_stages
 from torchtitan_autoparallel.planner.build import BuiltProblem
 from torchtitan_autoparallel.planner.plan import Plan
@@ -40,8 +40,7 @@ class PlannedTraining:
 def plan_and_build(
     model: nn.Module,
     mesh: DeviceMesh,
-    full_params: dict[str, torch.Tensor],
-    full_buffers: dict[str, torch.Tensor],
+    full_values: Callable[[Plan], FullValues],
     *,
     portable_kernels: bool = False,
     plan_cache_dir: str | Path | None = None,
@@ -49,7 +48,9 @@ def plan_and_build(
     **plan_kwargs,
 ) -> PlannedTraining:
     """Plan ``model`` (meta device is fine) on every rank, agree on rank 0's
-    solution, and place ``full_params``. ``plan_kwargs`` as ``plan_stages``.
+    solution, and place the values ``full_values(plan)`` gives. They are asked
+    for only once the plan is known, so a plan that cannot fit is reported
+    before the whole model is built. ``plan_kwargs`` as ``plan_stages``.
 
     With ``plan_cache_dir``, rank 0 reuses a stored solution for the same key
     (``cache.py``); ``cache_settings`` adds to the key what the traced graph
@@ -63,8 +64,7 @@ def plan_and_build(
         stages.built,
         stages.solution,
         mesh,
-        full_params,
-        full_buffers,
+        full_values(stages.plan),
         portable_kernels=portable_kernels,
     )
     plan = stages.plan

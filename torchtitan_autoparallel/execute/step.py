@@ -1,8 +1,9 @@
 """``build_executable``: a solved plan + real process groups -> a runnable training step.
 
 The parameters are DTensors placed as planned, created from the full unsharded
-tensors with ``src_data_rank=None`` (every rank holds the same full init and
-keeps its own slice; no broadcast), so their values equal an unsharded init.
+tensors (``FullValues``): either every rank holds the same full init and keeps
+its own slice (nothing is sent), or one rank holds it and scatters each tensor
+in turn; either way their values equal an unsharded init.
 ``PlannedStep.step`` runs the joint forward+backward graph through
 ``PlannedInterpreter`` and returns the loss and the gradients, each gradient
 already moved to its parameter's placement (the plan's gradient edges: this is
@@ -11,7 +12,7 @@ where FSDP's reduce-scatter or DDP's all-reduce happen).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -255,23 +256,46 @@ class PlannedStep:
         return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=val.shape, stride=val.stride())
 
 
+@dataclass(frozen=True)
+class FullValues:
+    """The unsharded values the placed parameters and buffers start from.
+
+    ``src_rank`` None: every rank holds the same values and keeps its own slice,
+    so nothing is sent. Otherwise only global rank ``src_rank`` (0: the first
+    coordinate of every mesh dim, where DTensor scatters from) holds them, the
+    other ranks give same-shaped placeholders, and each tensor is scattered in turn.
+    """
+
+    params: Mapping[str, torch.Tensor]
+    buffers: Mapping[str, torch.Tensor]
+    src_rank: int | None = None
+
+    @classmethod
+    def of(cls, module: nn.Module) -> FullValues:
+        """Every rank's own full module (the same on every rank)."""
+        return cls(dict(module.named_parameters()), dict(module.named_buffers()))
+
+
 def build_executable(
     traced: TracedStep,
     built: BuiltProblem,
     solution: Solution,
     mesh: DeviceMesh,
-    full_params: dict[str, torch.Tensor],
-    full_buffers: dict[str, torch.Tensor],
+    full: FullValues,
     *,
     portable_kernels: bool = False,
 ) -> PlannedStep:
     """Place the full parameters as planned and return the step that runs the plan."""
+    if full.src_rank not in (None, 0):
+        raise ValueError(f"src_rank {full.src_rank}: only rank 0 can scatter (DTensor's source coordinate)")
     chosen = chosen_strategies(built, solution)
     params = {
-        fqn: nn.Parameter(_place(fqn, full_params, node, chosen, mesh))
+        fqn: nn.Parameter(_place(fqn, full.params, node, chosen, mesh, full.src_rank))
         for fqn, node in traced.params.items()
     }
-    buffers = {fqn: _place(fqn, full_buffers, node, chosen, mesh) for fqn, node in traced.buffers.items()}
+    buffers = {
+        fqn: _place(fqn, full.buffers, node, chosen, mesh, full.src_rank) for fqn, node in traced.buffers.items()
+    }
     return PlannedStep(
         traced=traced,
         mesh=mesh,
@@ -285,7 +309,12 @@ def build_executable(
 
 
 def _place(
-    fqn: str, full: dict[str, torch.Tensor], node: fx.Node, chosen: dict[fx.Node, Strategy], mesh: DeviceMesh
+    fqn: str,
+    full: Mapping[str, torch.Tensor],
+    node: fx.Node,
+    chosen: dict[fx.Node, Strategy],
+    mesh: DeviceMesh,
+    src_rank: int | None,
 ) -> DTensor:
     if fqn not in full:
         raise KeyError(f"no full value given for {fqn!r} (the trace has it; got {len(full)} tensors)")
@@ -299,8 +328,9 @@ def _place(
     if placements is None:
         raise PlanExecutionError(f"{fqn}: the plan gives it no placement")
     # src_data_rank=None: every rank already holds the same full value and keeps
-    # its slice, so no rank's data is broadcast and the values equal the full init.
-    return distribute_tensor(tensor, mesh, placements, src_data_rank=None)
+    # its slice. 0: DTensor scatters mesh dim by mesh dim from coordinate 0, so
+    # global rank 0's values reach every rank; the mesh spans the whole world.
+    return distribute_tensor(tensor, mesh, placements, src_data_rank=src_rank)
 
 
 def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:

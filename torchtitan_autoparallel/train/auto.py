@@ -24,7 +24,6 @@ from torchtitan_autoparallel.train.setup import (
     Training,
     build_data,
     build_metrics,
-    init_full_model,
     set_determinism,
 )
 from torchtitan_autoparallel.train.validate import build_validator
@@ -266,6 +265,7 @@ def build_auto_training(
 ) -> AutoTraining:
     """Plan on every rank (solve on rank 0), place the weights, and build the loop's parts."""
     from torchtitan_autoparallel.execute.pipeline import plan_and_build
+    from torchtitan_autoparallel.train.initial import planned_full_values
 
     set_determinism(job, runtime.device)
     mesh = build_auto_mesh(runtime, degrees)
@@ -273,18 +273,16 @@ def build_auto_training(
         model = model_config.build()
     t = job.training
     n_params, flops_per_token = model_config.get_nparams_and_flops(model, t.seq_len)
-    full = init_full_model(model_config, t.seed, runtime.device)
+    full_values = planned_full_values(model_config, model, t.seed, runtime, t.full_init_max_gib)
     with _planning_errors(job):
         planned = plan_and_build(
             model,
             mesh,
-            dict(full.named_parameters()),
-            dict(full.named_buffers()),
+            full_values,
             plan_cache_dir=Path(job.job.dump_folder) / "plan_cache" if job.autoparallel.plan_cache else None,
             cache_settings=_cache_settings(job),
             **_plan_kwargs(job, runtime, degrees),
         )
-    del full  # the placed shards are all each rank keeps
     _report_plan(job, runtime, planned.plan)
     step = planned.step
     step.bind_to(model)

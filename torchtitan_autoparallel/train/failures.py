@@ -39,6 +39,9 @@ TIMEOUT_HINT = (
     "limit is too short; comm.init_timeout_seconds holds until the first step is done, "
     "comm.train_timeout_seconds after it"
 )
+# SIGKILL is the one signal a rank cannot catch, so it leaves no message; on a
+# training host it is almost always the kernel's out-of-memory killer.
+KILLED_HINT = "most often the out-of-memory killer: the host or the job's memory limit is too small"
 
 
 def record_user_error(message: str) -> None:
@@ -86,6 +89,8 @@ def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure
 def describe(rank: int, failure: ProcessFailure, hidden: bool) -> str:
     if failure.exitcode < 0:
         what = f"rank {rank} was killed by {failure.signal_name()}"
+        if failure.signal_name() == "SIGKILL" and not _recorded(failure):
+            what += f" ({KILLED_HINT})"
     else:
         what = f"rank {rank} failed with exit status {failure.exitcode}"
     if _recorded(failure):

@@ -27,10 +27,6 @@ from torchtitan_autoparallel.train.validate import build_validator
 
 logger = logging.getLogger("torchtitan_autoparallel")
 
-# Below this many parameter bytes every rank materialises the unsharded model to
-# initialise it, so the sharded weights equal a 1-rank run's bit for bit.
-FULL_INIT_MAX_BYTES = 2 * 2**30
-
 
 @dataclass
 class TrainState:
@@ -158,7 +154,7 @@ def build_training(
     )
     if runtime.fake:
         return Training(optimizer=None, scheduler=None, dataloader=None, metrics=None, **common)
-    _materialize(model, model_config, job.training.seed, runtime.device)
+    _materialize(model, model_config, job.training.seed, runtime.device, job.training.full_init_max_gib * 2**30)
     optimizer = build_optimizer(model, job.optimizer)
     return Training(
         optimizer=optimizer,
@@ -187,11 +183,12 @@ def init_full_model(model_config, seed: int, device: torch.device) -> nn.Module:
     return full
 
 
-def _materialize(model: nn.Module, model_config, seed: int, device: torch.device) -> None:
-    """Allocate the sharded weights and initialise them as a 1-rank run would."""
+def _materialize(model: nn.Module, model_config, seed: int, device: torch.device, max_whole_bytes: float) -> None:
+    """Allocate the sharded weights and initialise them: a model up to ``max_whole_bytes``
+    whole on every rank, so the sharded weights equal a 1-rank run's bit for bit."""
     model.to_empty(device=device)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if param_bytes > FULL_INIT_MAX_BYTES:
+    if param_bytes > max_whole_bytes:
         # Too big to materialise whole on every rank: torchtitan's sharded init.
         torch.manual_seed(seed)
         with torch.no_grad():

@@ -1,0 +1,110 @@
+"""The weights' first values (``train/initial.py``): whole on every rank, or built once
+on rank 0 and scattered; and the host-memory check that comes before either.
+
+The scattered path's end-to-end check (same losses, bit for bit, on 4 gloo
+ranks) is in ``test_auto_parity.py``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from torchtitan_autoparallel.distributed.runtime import Runtime
+from torchtitan_autoparallel.errors import UserError
+from torchtitan_autoparallel.models.registry import build_meta_model, build_model_config
+from torchtitan_autoparallel.train import initial
+from torchtitan_autoparallel.train.setup import init_full_model
+
+GIB = 2**30
+
+
+def _runtime(rank: int, device: str = "cpu") -> Runtime:
+    backend = "gloo" if device == "cpu" else "nccl"
+    return Runtime(device=torch.device(device), backend=backend, rank=rank, world_size=4, local_rank=rank)
+
+
+def _model():
+    config = build_model_config("qwen3", "debugmodel", n_layers=1)
+    return config, build_meta_model("qwen3", "debugmodel", n_layers=1)
+
+
+def test_a_model_under_the_threshold_is_whole_on_every_rank() -> None:
+    config, meta = _model()
+    values = initial.full_values(config, meta, 0, _runtime(1), max_whole_bytes=initial.param_bytes(meta))
+    assert values.src_rank is None
+    ref = init_full_model(config, 0, torch.device("cpu"))
+    assert all(torch.equal(values.params[k], v) for k, v in ref.named_parameters())
+
+
+def test_rank0_holds_the_one_rank_init_and_scatters_it() -> None:
+    config, meta = _model()
+    values = initial.full_values(config, meta, 0, _runtime(0), max_whole_bytes=0)
+    assert values.src_rank == 0
+    ref = init_full_model(config, 0, torch.device("cpu"))
+    assert list(values.params) == [k for k, _ in ref.named_parameters()]
+    assert all(torch.equal(values.params[k], v) for k, v in ref.named_parameters())
+    assert all(torch.equal(values.buffers[k], v) for k, v in ref.named_buffers())
+
+
+def test_a_receiving_rank_never_builds_the_model(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("a receiving rank built the full model")
+
+    monkeypatch.setattr(initial, "init_full_model", refuse)
+    config, meta = _model()
+    values = initial.full_values(config, meta, 0, _runtime(2), max_whole_bytes=0)
+    assert values.src_rank == 0
+    for name, want in list(meta.named_parameters()) + list(meta.named_buffers()):
+        got = (values.params if name in values.params else values.buffers)[name]
+        assert (got.shape, got.dtype, got.device.type) == (want.shape, want.dtype, "cpu"), name
+    # made when asked for: two looks are two tensors, nothing is kept
+    name = next(iter(values.params))
+    assert values.params[name] is not values.params[name]
+
+
+def _plan(param_gib: float, peak_gib: float):
+    return SimpleNamespace(
+        param_bytes_per_device=param_gib * GIB, predicted={"peak_activation_bytes_per_device": peak_gib * GIB}
+    )
+
+
+@pytest.mark.parametrize(
+    "device,whole,want_gib",
+    [
+        ("cpu", True, 2 * (1 * 3 + 0.5) + 2 * 8),  # every CPU rank: its share and a whole model
+        ("cpu", False, 2 * (1 * 3 + 0.5) + 8),  # the whole model once, on rank 0
+        ("cuda", True, 0.0),  # on the GPUs: the host holds nothing
+        ("cuda", False, 8.0),  # rank 0's host copy
+    ],
+)
+def test_host_need(device: str, whole: bool, want_gib: float) -> None:
+    need = initial.host_need_bytes(_plan(1, 0.5), _runtime(0, device), 8 * GIB, whole, local_ranks=2)
+    assert need == pytest.approx(want_gib * GIB)
+
+
+def test_a_job_its_host_cannot_hold_is_refused_in_one_line(monkeypatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(initial, "available_host_bytes", lambda: 4.0 * GIB)
+    with pytest.raises(UserError) as caught:
+        initial.check_host_memory(_plan(1, 0.5), _runtime(0), 8 * GIB, whole=False)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "does not fit this host: its 2 CPU rank(s) need at least 15.00 GiB" in message
+    assert "4.00 GiB is available; accepted: a smaller model.flavor" in message
+    # enough memory, or none known: no error
+    monkeypatch.setattr(initial, "available_host_bytes", lambda: 15.0 * GIB)
+    initial.check_host_memory(_plan(1, 0.5), _runtime(0), 8 * GIB, whole=False)
+    monkeypatch.setattr(initial, "available_host_bytes", lambda: None)
+    initial.check_host_memory(_plan(100, 100), _runtime(0), 800 * GIB, whole=True)
+
+
+def test_available_host_memory_is_read_from_meminfo(tmp_path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   2048 kB\n")
+    assert initial.available_host_bytes(meminfo) == 2048 * 1024
+    meminfo.write_text("MemTotal:       24000000 kB\n")
+    assert initial.available_host_bytes(meminfo) is None
+    assert initial.available_host_bytes(tmp_path / "missing") is None
