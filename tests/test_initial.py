@@ -108,3 +108,29 @@ def test_available_host_memory_is_read_from_meminfo(tmp_path) -> None:
     meminfo.write_text("MemTotal:       24000000 kB\n")
     assert initial.available_host_bytes(meminfo) is None
     assert initial.available_host_bytes(tmp_path / "missing") is None
+
+
+def test_asking_whether_a_tensor_is_there_makes_none(monkeypatch) -> None:
+    """Placement asks ``fqn in values`` before ``values[fqn]``: only the second may
+    build the tensor (a host-to-device copy on rank 0)."""
+    config, meta = _model()
+    values = initial.full_values(config, meta, 0, _runtime(1), max_whole_bytes=0)
+    made = []
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: made.append(a) or torch.zeros(1))
+    name = next(iter(values.params))
+    assert name in values.params and "no.such.weight" not in values.params
+    assert made == []
+    values.params[name]
+    assert len(made) == 1
+
+
+def test_values_scatter_from_the_mesh_first_rank_only(fake_world) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from torchtitan_autoparallel.execute.step import FullValues, build_executable
+
+    scattered = FullValues({}, {}, src_rank=0)
+    with pytest.raises(ValueError, match=r"src_rank 0 on mesh \[\[1, 0\]\]: .* must be the mesh's first rank"):
+        build_executable(None, None, None, DeviceMesh("cpu", [[1, 0]]), scattered)
+    with pytest.raises(ValueError, match=r"src_rank 1 on mesh"):
+        build_executable(None, None, None, DeviceMesh("cpu", [[0, 1]]), FullValues({}, {}, src_rank=1))

@@ -261,9 +261,10 @@ class FullValues:
     """The unsharded values the placed parameters and buffers start from.
 
     ``src_rank`` None: every rank holds the same values and keeps its own slice,
-    so nothing is sent. Otherwise only global rank ``src_rank`` (0: the first
-    coordinate of every mesh dim, where DTensor scatters from) holds them, the
-    other ranks give same-shaped placeholders, and each tensor is scattered in turn.
+    so nothing is sent. ``src_rank`` 0: only global rank 0 holds them, which must
+    be the mesh's first rank (DTensor scatters from coordinate 0 of each mesh dim);
+    the other ranks give same-shaped placeholders, and each tensor is scattered
+    in turn.
     """
 
     params: Mapping[str, torch.Tensor]
@@ -286,8 +287,11 @@ def build_executable(
     portable_kernels: bool = False,
 ) -> PlannedStep:
     """Place the full parameters as planned and return the step that runs the plan."""
-    if full.src_rank not in (None, 0):
-        raise ValueError(f"src_rank {full.src_rank}: only rank 0 can scatter (DTensor's source coordinate)")
+    if full.src_rank not in (None, 0) or (full.src_rank == 0 and int(mesh.mesh.flatten()[0]) != 0):
+        raise ValueError(
+            f"src_rank {full.src_rank} on mesh {mesh.mesh.tolist()}: values are scattered from global "
+            "rank 0 only, which must be the mesh's first rank (DTensor scatters from coordinate 0)"
+        )
     chosen = chosen_strategies(built, solution)
     params = {
         fqn: nn.Parameter(_place(fqn, full.params, node, chosen, mesh, full.src_rank))
@@ -329,7 +333,7 @@ def _place(
         raise PlanExecutionError(f"{fqn}: the plan gives it no placement")
     # src_data_rank=None: every rank already holds the same full value and keeps
     # its slice. 0: DTensor scatters mesh dim by mesh dim from coordinate 0, so
-    # global rank 0's values reach every rank; the mesh spans the whole world.
+    # the mesh's first rank (global rank 0, checked above) reaches every rank.
     return distribute_tensor(tensor, mesh, placements, src_data_rank=src_rank)
 
 

@@ -56,6 +56,9 @@ class _MadeWhenAsked(Mapping):
     def __getitem__(self, fqn: str) -> torch.Tensor:
         return self._make(self._source[fqn])
 
+    def __contains__(self, fqn: object) -> bool:  # Mapping's own would make the tensor to find out
+        return fqn in self._source
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._source)
 
