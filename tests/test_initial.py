@@ -93,7 +93,7 @@ def test_a_job_its_host_cannot_hold_is_refused_in_one_line(monkeypatch) -> None:
     message = str(caught.value)
     assert "\n" not in message
     assert "does not fit this host: its 2 CPU rank(s) need at least 15.00 GiB" in message
-    assert "4.00 GiB is available; accepted: a smaller model.flavor" in message
+    assert "4.00 GiB is available (free on the host, or left under its container's limit); accepted" in message
     # enough memory, or none known: no error
     monkeypatch.setattr(initial, "available_host_bytes", lambda: 15.0 * GIB)
     initial.check_host_memory(_plan(1, 0.5), _runtime(0), 8 * GIB, whole=False)
@@ -104,10 +104,35 @@ def test_a_job_its_host_cannot_hold_is_refused_in_one_line(monkeypatch) -> None:
 def test_available_host_memory_is_read_from_meminfo(tmp_path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   2048 kB\n")
-    assert initial.available_host_bytes(meminfo) == 2048 * 1024
+    assert initial.available_host_bytes(meminfo, cgroups=()) == 2048 * 1024
     meminfo.write_text("MemTotal:       24000000 kB\n")
-    assert initial.available_host_bytes(meminfo) is None
-    assert initial.available_host_bytes(tmp_path / "missing") is None
+    assert initial.available_host_bytes(meminfo, cgroups=()) is None
+    assert initial.available_host_bytes(tmp_path / "missing", cgroups=()) is None
+
+
+def _cgroup(folder, limit: str, usage: int, stat: str, v2: bool = True):
+    folder.mkdir()
+    names = ("memory.max", "memory.current") if v2 else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    (folder / names[0]).write_text(limit + "\n")
+    (folder / names[1]).write_text(f"{usage}\n")
+    (folder / "memory.stat").write_text(stat)
+    return (folder, *names, "inactive_file" if v2 else "total_inactive_file")
+
+
+def test_a_container_limit_lowers_what_is_available(tmp_path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemAvailable: {100 * GIB // 1024} kB\n")
+    # v2: 8 GiB limit, 5 GiB used of which 1 GiB inactive page cache -> 4 GiB left
+    v2 = _cgroup(tmp_path / "v2", str(8 * GIB), 5 * GIB, f"anon 123\ninactive_file {GIB}\nactive_file 7\n")
+    assert initial.available_host_bytes(meminfo, cgroups=(v2,)) == 4 * GIB
+    # v1 spells it differently; the tighter of host and container wins
+    v1 = _cgroup(tmp_path / "v1", str(3 * GIB), 2 * GIB, f"cache 9\ntotal_inactive_file {GIB}\n", v2=False)
+    assert initial.available_host_bytes(meminfo, cgroups=(v2, v1)) == 2 * GIB
+    # no limit ("max", or v1's huge number) or no cgroup files: the host's figure
+    free = _cgroup(tmp_path / "free", "max", GIB, "inactive_file 0\n")
+    huge = _cgroup(tmp_path / "huge", "9223372036854771712", GIB, "total_inactive_file 0\n", v2=False)
+    gone = (tmp_path / "gone", "memory.max", "memory.current", "inactive_file")
+    assert initial.available_host_bytes(meminfo, cgroups=(free, huge, gone)) == 100 * GIB
 
 
 def test_asking_whether_a_tensor_is_there_makes_none(monkeypatch) -> None:

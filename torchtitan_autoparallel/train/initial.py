@@ -142,12 +142,29 @@ def check_host_memory(plan: Plan, runtime: Runtime, model_bytes: float, whole: b
         f"the {fmt_bytes(model_bytes)} model does not fit this host: {where} need at least "
         f"{fmt_bytes(need)} of memory as planned (parameters, AdamW state and the step's "
         f"estimated peak; the full model while it is placed), and {fmt_bytes(available)} is "
-        "available; accepted: a smaller model.flavor, fewer ranks per host, or a host with more memory"
+        "available (free on the host, or left under its container's limit); accepted: a smaller "
+        "model.flavor, fewer ranks per host, or a host or container with more memory"
     )
 
 
-def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> float | None:
-    """Linux's estimate of the memory new allocations can get without swapping; None elsewhere."""
+# Where a container's memory limit is read (cgroup v2, then v1): its processes are
+# killed at the limit, however much the host has free.
+CGROUPS = (
+    (Path("/sys/fs/cgroup"), "memory.max", "memory.current", "inactive_file"),
+    (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+)
+_NO_LIMIT = 2**60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def available_host_bytes(meminfo: Path = Path("/proc/meminfo"), cgroups=CGROUPS) -> float | None:
+    """What new allocations can get without swapping: Linux's estimate for the host,
+    or less where the job's container has a memory limit; None where neither is known."""
+    found = [_meminfo_available(meminfo), *(_cgroup_available(*cgroup) for cgroup in cgroups)]
+    known = [x for x in found if x is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available(meminfo: Path) -> float | None:
     try:
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -155,3 +172,18 @@ def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> float | None:
     except OSError:
         return None
     return None
+
+
+def _cgroup_available(root: Path, limit_file: str, usage_file: str, inactive_key: str) -> float | None:
+    """The limit less the working set: usage less the inactive page cache, which the
+    kernel reclaims before it kills (the kubelet counts it the same way)."""
+    try:
+        limit = (root / limit_file).read_text().strip()
+        if limit == "max" or int(limit) >= _NO_LIMIT:
+            return None
+        usage = int((root / usage_file).read_text())
+        stat = dict(line.split()[:2] for line in (root / "memory.stat").read_text().splitlines() if " " in line)
+        inactive = int(stat.get(inactive_key, 0))
+    except (OSError, ValueError):
+        return None
+    return float(int(limit) - (usage - inactive))
