@@ -33,7 +33,7 @@ def _model():
 
 def test_a_model_under_the_threshold_is_whole_on_every_rank() -> None:
     config, meta = _model()
-    values = initial.full_values(config, meta, 0, _runtime(1), max_whole_bytes=initial.param_bytes(meta))
+    values = initial.full_values(config, meta, 0, _runtime(1), whole=True)
     assert values.src_rank is None
     ref = init_full_model(config, 0, torch.device("cpu"))
     assert all(torch.equal(values.params[k], v) for k, v in ref.named_parameters())
@@ -41,7 +41,7 @@ def test_a_model_under_the_threshold_is_whole_on_every_rank() -> None:
 
 def test_rank0_holds_the_one_rank_init_and_scatters_it() -> None:
     config, meta = _model()
-    values = initial.full_values(config, meta, 0, _runtime(0), max_whole_bytes=0)
+    values = initial.full_values(config, meta, 0, _runtime(0), whole=False)
     assert values.src_rank == 0
     ref = init_full_model(config, 0, torch.device("cpu"))
     assert list(values.params) == [k for k, _ in ref.named_parameters()]
@@ -55,7 +55,7 @@ def test_a_receiving_rank_never_builds_the_model(monkeypatch) -> None:
 
     monkeypatch.setattr(initial, "init_full_model", refuse)
     config, meta = _model()
-    values = initial.full_values(config, meta, 0, _runtime(2), max_whole_bytes=0)
+    values = initial.full_values(config, meta, 0, _runtime(2), whole=False)
     assert values.src_rank == 0
     for name, want in list(meta.named_parameters()) + list(meta.named_buffers()):
         got = (values.params if name in values.params else values.buffers)[name]
@@ -139,7 +139,7 @@ def test_asking_whether_a_tensor_is_there_makes_none(monkeypatch) -> None:
     """Placement asks ``fqn in values`` before ``values[fqn]``: only the second may
     build the tensor (a host-to-device copy on rank 0)."""
     config, meta = _model()
-    values = initial.full_values(config, meta, 0, _runtime(1), max_whole_bytes=0)
+    values = initial.full_values(config, meta, 0, _runtime(1), whole=False)
     made = []
     monkeypatch.setattr(torch, "empty", lambda *a, **k: made.append(a) or torch.zeros(1))
     name = next(iter(values.params))

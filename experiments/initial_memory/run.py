@@ -47,6 +47,8 @@ sys.path.insert(0, str(HERE.parent))
 from _run import CONFIGS, read_metrics, run_launcher  # noqa: E402
 from bench_args import add_case_args, pick_cases, rewrite_report  # noqa: E402
 
+from torchtitan_autoparallel.train.initial import available_host_bytes  # noqa: E402
+
 INITS = {"whole": "100", "scattered": "0"}
 _PLACED = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) plan agreed and placed")
 
@@ -83,10 +85,10 @@ class MemorySampler(threading.Thread):
 
 
 def available_bytes() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return float(line.split()[1]) * 1024
-    raise SystemExit("error: /proc/meminfo has no MemAvailable line; this benchmark needs Linux")
+    available = available_host_bytes(cgroups=())  # the host's MemAvailable
+    if available is None:
+        raise SystemExit("error: /proc/meminfo has no MemAvailable line; this benchmark needs Linux")
+    return available
 
 
 def settled_available(tolerance: float = 64 * 2**20, limit_s: float = 60.0) -> float:

@@ -33,18 +33,10 @@ from torchtitan_autoparallel.distributed.runtime import Runtime
 from torchtitan_autoparallel.errors import UserError
 from torchtitan_autoparallel.execute.step import FullValues
 from torchtitan_autoparallel.planner.plan import Plan
-from torchtitan_autoparallel.report.common import ADAMW_STATE_COPIES, fmt_bytes, peak_activation_bytes
-from torchtitan_autoparallel.train.setup import init_full_model
+from torchtitan_autoparallel.report.common import ADAMW_STATE_COPIES, GIB, fmt_bytes, peak_activation_bytes
+from torchtitan_autoparallel.train.setup import init_full_model, param_bytes
 
 logger = logging.getLogger("torchtitan_autoparallel")
-
-GIB = 2**30
-
-
-def param_bytes(model: nn.Module) -> int:
-    """The model's parameters in bytes (a meta model is fine; a tied weight counts once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
 
 class _MadeWhenAsked(Mapping):
     """``make`` of each of ``source``'s tensors, made when placement asks for it and
@@ -66,10 +58,10 @@ class _MadeWhenAsked(Mapping):
         return len(self._source)
 
 
-def full_values(model_config, meta_model: nn.Module, seed: int, runtime: Runtime, max_whole_bytes: float) -> FullValues:
+def full_values(model_config, meta_model: nn.Module, seed: int, runtime: Runtime, whole: bool) -> FullValues:
     """The values to place: every rank's own whole model, or rank 0's scattered."""
     device = runtime.device
-    if param_bytes(meta_model) <= max_whole_bytes:
+    if whole:
         return FullValues.of(init_full_model(model_config, seed, device))
     if runtime.rank == 0:
         source = init_full_model(model_config, seed, torch.device("cpu"))
@@ -92,24 +84,23 @@ def planned_full_values(
     model_config, meta_model: nn.Module, seed: int, runtime: Runtime, max_whole_gib: float
 ) -> Callable[[Plan], FullValues]:
     """What ``plan_and_build`` asks for once the plan is known: the host check, then the values."""
-    max_whole_bytes = max_whole_gib * GIB
     model_bytes = param_bytes(meta_model)
-    whole = model_bytes <= max_whole_bytes
+    whole = model_bytes <= max_whole_gib * GIB
+    # rank 0 alone builds it while the other ranks wait in the first scatter: say so
+    announce = runtime.rank == 0 and not whole
 
     def values(plan: Plan) -> FullValues:
-        if runtime.rank != 0:
-            return full_values(model_config, meta_model, seed, runtime, max_whole_bytes)
-        check_host_memory(plan, runtime, model_bytes, whole)
-        if whole:
-            return full_values(model_config, meta_model, seed, runtime, max_whole_bytes)
-        # the other ranks wait in the first scatter meanwhile: say what is taking the time
-        logger.info(
-            f"initialising the {fmt_bytes(model_bytes)} model once in rank 0's host memory, then "
-            f"scattering each tensor (more than training.full_init_max_gib = {max_whole_gib})"
-        )
+        if runtime.rank == 0:
+            check_host_memory(plan, runtime, model_bytes, whole)
+        if announce:
+            logger.info(
+                f"initialising the {fmt_bytes(model_bytes)} model once in rank 0's host memory, then "
+                f"scattering each tensor (more than training.full_init_max_gib = {max_whole_gib})"
+            )
         start = time.perf_counter()
-        out = full_values(model_config, meta_model, seed, runtime, max_whole_bytes)
-        logger.info(f"model initialised in {time.perf_counter() - start:.1f} s; scattering")
+        out = full_values(model_config, meta_model, seed, runtime, whole)
+        if announce:
+            logger.info(f"model initialised in {time.perf_counter() - start:.1f} s; scattering")
         return out
 
     return values

@@ -183,12 +183,16 @@ def init_full_model(model_config, seed: int, device: torch.device) -> nn.Module:
     return full
 
 
+def param_bytes(model: nn.Module) -> int:
+    """The model's parameters in bytes (a meta model is fine; a tied weight counts once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def _materialize(model: nn.Module, model_config, seed: int, device: torch.device, max_whole_bytes: float) -> None:
     """Allocate the sharded weights and initialise them: a model up to ``max_whole_bytes``
     whole on every rank, so the sharded weights equal a 1-rank run's bit for bit."""
     model.to_empty(device=device)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if param_bytes > max_whole_bytes:
+    if param_bytes(model) > max_whole_bytes:
         # Too big to materialise whole on every rank: torchtitan's sharded init.
         torch.manual_seed(seed)
         with torch.no_grad():

@@ -289,7 +289,7 @@ def build_ilp(problem: Problem) -> IlpModel:
 
     _add_tie_rows(problem, allowed, xcol, coo)
     col_memory = np.zeros(num_col)
-    memory_offset, has_memory_row = _add_memory_row(problem, allowed, col_memory, coo)
+    memory_offset, has_memory_row = _add_memory_row(problem, allowed, (x_node, x_strategy), col_memory, coo)
     start, index, value, lower, upper = coo.to_csr()
     return IlpModel(
         num_nodes=n,
@@ -311,7 +311,7 @@ def build_ilp(problem: Problem) -> IlpModel:
 
 
 def _add_memory_row(
-    problem: Problem, allowed: np.ndarray, col_memory: np.ndarray, coo: _Coo
+    problem: Problem, allowed: np.ndarray, x_cols: tuple[np.ndarray, np.ndarray], col_memory: np.ndarray, coo: _Coo
 ) -> tuple[float, bool]:
     """Fill the x columns of ``col_memory`` and add the budget row where a plan's memory
     can vary; returns the memory every plan needs (in budget units) and whether the row exists."""
@@ -320,9 +320,8 @@ def _add_memory_row(
     # in units of the budget, so the solver's absolute row tolerance (1e-6)
     # matches the relative slack of Problem.is_feasible
     scale = problem.memory_budget if problem.memory_budget > 0 else GIB
-    k = problem.num_strategies
-    x_node, x_strategy = np.nonzero(allowed)
-    memory = _padded([_memory_of(problem, v) for v in range(problem.num_nodes)], k, 0.0)
+    x_node, x_strategy = x_cols  # the node and strategy of each x column
+    memory = _padded([_memory_of(problem, v) for v in range(problem.num_nodes)], problem.num_strategies, 0.0)
     per_node = np.where(allowed, memory, np.inf).min(axis=1)
     memory_offset = float(per_node.sum()) / scale
     col_memory[: len(x_node)] = (memory[x_node, x_strategy] - per_node[x_node]) / scale
