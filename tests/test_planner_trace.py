@@ -80,6 +80,28 @@ def test_mixed_precision_casts_params_down_and_grads_up(llama):
         assert all(u.meta["val"].dtype == torch.bfloat16 for u in users)
 
 
+def test_mixed_precision_casts_each_gradient_up_as_its_layer_backward_ends():
+    # Casts made before the forward would put every gradient's cast (and so, on a plan
+    # that reduces in fp32, its reduction) after the whole backward, every layer's
+    # unreduced gradient live at once. Made as each module starts, the last layer's
+    # gradients are cast up before the first layer's gradients exist.
+    model = build_meta_model("llama3", "debugmodel", n_layers=2)
+    traced = trace_training_step(model, 2, 32, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    at = {n: i for i, n in enumerate(traced.graph.graph.nodes)}
+    last_layer_casts = [at[c] for f, c in traced.grad_casts.items() if f.startswith("layers.1.")]
+    first_layer_grads = [at[c.args[0]] for f, c in traced.grad_casts.items() if f.startswith("layers.0.")]
+    assert last_layer_casts and first_layer_grads
+    assert max(last_layer_casts) < min(first_layer_grads)
+
+
+def test_mixed_precision_casts_a_tied_weight_once():
+    qwen = build_meta_model("qwen3", "debugmodel", n_layers=1)  # embedding tied to the output
+    traced = trace_training_step(qwen, 2, 32, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    tied = traced.params["tok_embeddings.weight"]
+    assert [u.target for u in tied.users] == [aten._to_copy.default]
+    assert len(list(tied.users)[0].users) == 2  # the embedding and the output projection
+
+
 def test_a_large_model_traces_without_memory():
     model = build_meta_model("llama3", "8B", n_layers=1)
     traced = trace_training_step(model, 1, 256)

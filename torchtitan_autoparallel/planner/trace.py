@@ -13,6 +13,8 @@ graph holds the backward down to every parameter gradient.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -104,23 +106,24 @@ def trace_training_step(
 
     joint = _JointStep(model, loss_fn)
 
+    casts: dict[int, torch.Tensor] = {}  # id(master) -> its compute-dtype copy, once made
+
     def step(ps, bs, tok, lab):
         # Mixed precision as FSDP2 does it: compute in param_dtype from a cast
         # of the master weight, so the graph shows the cast and the plan
         # chooses which side of it to gather on; gradients come back through
         # the cast (or an explicit one to reduce_dtype).
-        compute = {n: ps[n].to(param_dtype) for n in names} if mixed else ps
         if mixed and reduce_dtype == param_dtype:
-            wrt = [compute[n] for n in names]
+            wrt = lambda: [casts[id(ps[n])] for n in names]  # noqa: E731  (made in the forward)
         else:
-            wrt = [ps[n] for n in names]
-        state = {f"model.{k}": v for k, v in {**compute, **bs}.items()}
+            wrt = lambda: [ps[n] for n in names]  # noqa: E731
+        state = {f"model.{k}": v for k, v in {**ps, **bs}.items()}
         loss, grads = functional_call(joint, state, (tok, lab, wrt))
         if mixed and reduce_dtype == param_dtype:
             grads = [g.to(ps[n].dtype) for n, g in zip(names, grads)]
         return loss, list(grads)
 
-    with checkpointed_blocks(model, activation_checkpoint):
+    with checkpointed_blocks(model, activation_checkpoint), _cast_when_used(model, param_dtype if mixed else None, casts):
         gm = make_fx(step, tracing_mode="fake", record_module_stack=True)(params, buffers, tokens, labels)
     _remove_inplace(gm)
     _drop_aliases(gm)
@@ -145,9 +148,39 @@ class _JointStep(nn.Module):
         self.model = model
         self.loss_fn = loss_fn
 
-    def forward(self, tokens, labels, wrt):
+    def forward(self, tokens, labels, wrt: Callable[[], list[torch.Tensor]]):
         loss = self.loss_fn(self.model(tokens), labels)
-        return loss, torch.autograd.grad(loss, wrt)
+        return loss, torch.autograd.grad(loss, wrt())
+
+
+@contextmanager
+def _cast_when_used(model: nn.Module, dtype: torch.dtype | None, casts: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Cast each module's parameters to ``dtype`` as the module starts its forward, as
+    FSDP2's pre-forward hook does, not all of them before the step.
+
+    Where a cast is made decides where the backward casts its gradient back: autograd
+    runs the nodes made first last, so casts made up front would leave every layer's
+    gradient unreduced (a full-size Partial, on a plan that reduces after the cast)
+    until the end of the backward, all of them live at once and none of their
+    reductions overlapping the backward's compute. A tied parameter is cast once.
+    """
+    if dtype is None:
+        yield
+        return
+
+    def cast_own(module: nn.Module, args) -> None:
+        for name, p in module._parameters.items():
+            if p is not None and p.dtype != dtype:
+                if id(p) not in casts:
+                    casts[id(p)] = p.to(dtype)
+                module._parameters[name] = casts[id(p)]
+
+    handles = [m.register_forward_pre_hook(cast_own) for m in model.modules() if m._parameters]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _fake_like(t: torch.Tensor) -> torch.Tensor:
