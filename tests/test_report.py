@@ -19,7 +19,14 @@ from torchtitan_autoparallel.planner.api import plan_training_step
 from torchtitan_autoparallel.planner.plan import Plan
 from torchtitan_autoparallel.planner.profiles import load_profile
 from torchtitan_autoparallel.report.__main__ import main as report_main
-from torchtitan_autoparallel.report.common import GIB, group_blocks, large_buffers, memory_fit, split_layer
+from torchtitan_autoparallel.report.common import (
+    GIB,
+    MemoryFit,
+    group_blocks,
+    large_buffers,
+    memory_fit,
+    split_layer,
+)
 from torchtitan_autoparallel.report.diff import diff_plans, format_diff
 from torchtitan_autoparallel.report.html import write_html
 
@@ -158,6 +165,16 @@ def test_memory_fit_counts_weights_adamw_state_and_the_step_peak(plans) -> None:
     assert fit.fits
     plan.device_memory_bytes = fit.total_bytes * 0.99
     assert not memory_fit(plan).fits
+
+
+def test_memory_fit_advice_follows_what_fills_the_device() -> None:
+    mostly_weights = MemoryFit(state_bytes=60 * GIB, activation_bytes=30 * GIB, device_bytes=80 * GIB)
+    mostly_activations = MemoryFit(state_bytes=30 * GIB, activation_bytes=60 * GIB, device_bytes=80 * GIB)
+    assert "data_parallel_shard_degree" in mostly_weights.message()
+    assert "local_batch_size" not in mostly_weights.message()
+    assert "local_batch_size" in mostly_activations.message()
+    assert "activation_checkpoint.mode" in mostly_activations.message()
+    assert "data_parallel_shard_degree" not in mostly_activations.message()
 
 
 def test_report_warns_when_the_plan_outgrows_the_device(plans, tmp_path: Path) -> None:

@@ -158,11 +158,18 @@ class MemoryFit:
         )
 
     def message(self) -> str:
-        return (
-            f"{self.summary()}: more than the device holds; shard parameters over more mesh dims "
-            "(parallelism.data_parallel_shard_degree, tensor_parallel_degree) or lower "
-            "autoparallel.memory_budget_gib"
-        )
+        if self.activation_bytes > self.state_bytes:  # more devices would barely help
+            advice = (
+                "the step's peak is most of it: lower training.local_batch_size "
+                "(training.global_batch_size keeps the batch by accumulating gradients) or "
+                "training.seq_len, or recompute with activation_checkpoint.mode = \"full\""
+            )
+        else:
+            advice = (
+                "shard parameters over more mesh dims (parallelism.data_parallel_shard_degree, "
+                "tensor_parallel_degree) or lower autoparallel.memory_budget_gib"
+            )
+        return f"{self.summary()}: more than the device holds; {advice}"
 
 
 def memory_fit(plan: Plan) -> MemoryFit | None:
