@@ -39,15 +39,16 @@ def main(argv: list[str]) -> int:
             return 0
         gpus = _gpu_count()
         ngpu = parse_ngpu(ngpu_arg) if ngpu_arg != "auto" else (gpus or CPU_DEFAULT_RANKS)
+        fake = os.environ.get("COMM_MODE") == "fake_backend"
         if module == TRAIN_MODULE:
-            check(load_config(module_args), ngpu)
+            check(load_config(module_args), ngpu, fake)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if gpus == 0:
         # CPU ranks share the cores: give each an equal slice so they don't thrash.
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ngpu)))
-    if os.environ.get("COMM_MODE") == "fake_backend" and module == TRAIN_MODULE:
+    if fake and module == TRAIN_MODULE:
         os.environ["NGPU"] = str(ngpu)
         sys.argv = [module, *module_args]
         runpy.run_module(module, run_name="__main__", alter_sys=True)

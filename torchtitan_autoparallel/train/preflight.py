@@ -18,8 +18,8 @@ from torchtitan_autoparallel.config.validate import check_planned_validation_sha
 from torchtitan_autoparallel.errors import ConfigError, UserError
 
 
-def check(job: JobConfig, ngpu: int) -> None:
-    from torchtitan_autoparallel.data.tokenizer import DataError, resolve_tokenizer_path
+def check(job: JobConfig, ngpu: int, fake: bool = False) -> None:
+    """``fake``: the job runs with ``COMM_MODE=fake_backend``."""
     from torchtitan_autoparallel.models.registry import build_model_config, get_entry
     from torchtitan_autoparallel.train import checkpoint
     from torchtitan_autoparallel.train.setup import check_model_fits_mesh
@@ -40,6 +40,19 @@ def check(job: JobConfig, ngpu: int) -> None:
     if job.autoparallel.export_problem:
         export = job.autoparallel.export_problem
         _check_writable_folder("autoparallel.export_problem", export, str(Path(export).parent))
+    try:
+        _check_data_paths(job)
+    except ConfigError as e:
+        if not (fake and entry.auto_parallel):
+            raise
+        # planning for a cluster from a laptop: the paths are the cluster's
+        print(f"warning: {e}; COMM_MODE=fake_backend only plans and reads no data, "
+              "but the real run will need it", file=sys.stderr)
+
+
+def _check_data_paths(job: JobConfig) -> None:
+    from torchtitan_autoparallel.data.tokenizer import DataError, resolve_tokenizer_path
+
     try:
         resolve_tokenizer_path(job.model.tokenizer_path)
     except DataError as e:
@@ -148,7 +161,7 @@ def main(argv: list[str]) -> int:
     try:
         if len(argv) < 2 or argv[0] != "--ngpu":
             raise ConfigError("usage: preflight --ngpu N [--section.key value ...]")
-        check(load_config(argv[2:]), parse_ngpu(argv[1]))
+        check(load_config(argv[2:]), parse_ngpu(argv[1]), os.environ.get("COMM_MODE") == "fake_backend")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

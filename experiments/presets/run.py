@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""The cluster job files in ``train_configs/``, each planned for its cluster from
+this machine (``COMM_MODE=fake_backend``, one process playing rank 0).
+
+For each file the launcher runs as a user would, with ``NGPU`` the ranks the
+file's header names; the row reads back ``plan.json``: the planner's time, the
+solver's status and certified gap, the parameter bytes per device, and the
+memory check against one H100 (``h100`` profile: weights and AdamW's two
+states, plus the step's predicted peak of activations and gradients).
+
+    .venv/bin/python experiments/presets/run.py [--only llama3]
+
+Writes ``results.json`` and ``README.md`` beside this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(HERE.parent))
+
+from _run import run_launcher  # noqa: E402
+from bench_args import add_case_args, pick_cases, rewrite_report  # noqa: E402
+
+GIB = 2**30
+NOTES_MARK = "<!-- notes: kept when the table is rewritten -->"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str  # train_configs/<name>.toml
+    ngpu: int
+
+
+CASES = [Case("llama3_8b", 64), Case("llama3_70b", 64), Case("llama3_405b", 128), Case("qwen3_32b", 8)]
+
+
+def run_case(case: Case) -> dict:
+    config = REPO / "train_configs" / f"{case.name}.toml"
+    with tempfile.TemporaryDirectory() as out:
+        run = run_launcher(["--job.dump_folder", out], config=config, ngpu=case.ngpu,
+                           comm_mode="fake_backend", timeout=1800)
+        row = {"case": case.name, "ngpu": case.ngpu, "rc": run.returncode, "wall_s": round(run.seconds, 1),
+               "command": f"CONFIG_FILE=train_configs/{case.name}.toml NGPU={case.ngpu} "
+                          "COMM_MODE=fake_backend ./run_train.sh"}
+        if run.returncode != 0:
+            return {**row, "error": run.stderr.strip().splitlines()[-1:]}
+        plan = json.loads((Path(out) / "plan.json").read_text())
+    p = plan["predicted"]
+    state = 3 * p["param_bytes_per_device"]
+    return {
+        **row,
+        "mesh": dict(zip(plan["mesh"]["names"], plan["mesh"]["sizes"])),
+        "plan_s": round(plan["timings"]["total"], 2),
+        "solver": plan["solver"],
+        "status": plan["status"],
+        "gap": (plan["objective"] - plan["lower_bound"]) / plan["objective"],
+        "param_gib": p["param_bytes_per_device"] / GIB,
+        "state_gib": state / GIB,
+        "peak_gib": p["peak_activation_bytes_per_device"] / GIB,
+        "device_gib": plan["device_memory_bytes"] / GIB,
+        "fits": state + p["peak_activation_bytes_per_device"] <= plan["device_memory_bytes"],
+    }
+
+
+def write_markdown(rows: list[dict], path: Path) -> None:
+    old = path.read_text() if path.exists() else ""
+    notes = old[old.find(NOTES_MARK):] if NOTES_MARK in old else NOTES_MARK + "\n"
+    lines = [
+        "# The cluster job files, planned from one machine",
+        "",
+        f"Made by `experiments/presets/run.py` on {rows[0]['date']} (2-core machine, no GPU; "
+        "`COMM_MODE=fake_backend`, `h100` cost profile). `plan s`: the planner's own time "
+        "(trace to plan); `wall s`: the whole launch. Memory per device, as the planner "
+        "predicts it: `state` is the weights and AdamW's two states, `peak` the step's "
+        "activations and gradients at their worst moment. Commands in `results.json`.",
+        "",
+        "| job file | ranks | mesh | plan s | wall s | solver, status | gap | params GiB | state GiB "
+        "| peak GiB | total / device GiB | fits |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['ngpu']} | error: {r['error']} |")
+            continue
+        mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
+        total = r["state_gib"] + r["peak_gib"]
+        cells = [r["case"], r["ngpu"], mesh, r["plan_s"], r["wall_s"], f"{r['solver']}, {r['status']}",
+                 f"{100 * r['gap']:.3f}%", f"{r['param_gib']:.2f}", f"{r['state_gib']:.2f}",
+                 f"{r['peak_gib']:.2f}", f"{total:.2f} / {r['device_gib']:.2f}", "yes" if r["fits"] else "no"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    path.write_text("\n".join(lines) + "\n\n" + notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_case_args(ap)
+    a = ap.parse_args(argv)
+    if a.report_only:
+        return rewrite_report(HERE, write_markdown)
+    out = HERE / "results.json"
+    previous = {r["case"]: r for r in json.loads(out.read_text())} if out.exists() else {}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    for case in pick_cases(CASES, a.only):
+        print(f"planning {case.name} for {case.ngpu} ranks ...", flush=True)
+        previous[case.name] = {**run_case(case), "date": str(date.today()), "commit": commit}
+        rows = [previous[c.name] for c in CASES if c.name in previous]
+        out.write_text(json.dumps(rows, indent=1))
+        write_markdown(rows, HERE / "README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
