@@ -1,5 +1,6 @@
 """The command line the benchmark scripts share: ``--only`` picks cases by name,
-``--report-only`` rewrites a folder's README.md from its committed results.json.
+``--report-only`` rewrites a folder's README.md from its committed results.json;
+and how a partial rerun keeps the other cases' rows.
 
 A script under ``experiments/<name>/`` imports it after putting ``experiments/``
 on ``sys.path``.
@@ -33,3 +34,15 @@ def pick_cases(cases: Sequence, only: str) -> list:
         print(f"error: no case matches {only!r}; cases: {[c.name for c in cases]}", file=sys.stderr)
         raise SystemExit(2)
     return chosen
+
+
+def previous_rows(folder: Path) -> dict[str, dict]:
+    """``results.json``'s rows by case name (none before the first run), so a rerun of
+    some cases keeps the others'."""
+    out = folder / "results.json"
+    return {r["case"]: r for r in json.loads(out.read_text())} if out.exists() else {}
+
+
+def save_rows(folder: Path, rows: list[dict], write_markdown: Callable[[Any, Path], None]) -> None:
+    (folder / "results.json").write_text(json.dumps(rows, indent=1))
+    write_markdown(rows, folder / "README.md")

@@ -24,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench_args import add_case_args, pick_cases, rewrite_report  # noqa: E402  (experiments/)
+from bench_args import add_case_args, pick_cases, previous_rows, rewrite_report, save_rows  # noqa: E402  (experiments/)
 
 
 
@@ -267,17 +267,14 @@ def main() -> int:
     if args.report_only:
         return rewrite_report(HERE, write_markdown)
     cases = pick_cases(CASES, args.only)
-    out = HERE / "results.json"
-    previous = {r["case"]: r for r in json.loads(out.read_text())} if out.exists() else {}
+    previous = previous_rows(HERE)
     for case in cases:
         print(f"planning {case.name} ...", flush=True)
         result = run_case(case)
         result["command"] = command_for(case)
         previous[case.name] = result
         print(json.dumps({k: result.get(k) for k in ("case", "wall_s", "status", "error")}), flush=True)
-    ordered = [previous[c.name] for c in CASES if c.name in previous]
-    out.write_text(json.dumps(ordered, indent=1))
-    write_markdown(ordered, HERE / "README.md")
+    save_rows(HERE, [previous[c.name] for c in CASES if c.name in previous], write_markdown)
     return 0
 
 

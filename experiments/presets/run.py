@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(HERE.parent))
 
 from _run import run_launcher  # noqa: E402
-from bench_args import add_case_args, pick_cases, rewrite_report  # noqa: E402
+from bench_args import add_case_args, pick_cases, previous_rows, rewrite_report, save_rows  # noqa: E402
 
 GIB = 2**30
 NOTES_MARK = "<!-- notes: kept when the table is rewritten -->"
@@ -108,16 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.report_only:
         return rewrite_report(HERE, write_markdown)
-    out = HERE / "results.json"
-    previous = {r["case"]: r for r in json.loads(out.read_text())} if out.exists() else {}
+    previous = previous_rows(HERE)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     for case in pick_cases(CASES, a.only):
         print(f"planning {case.name} for {case.ngpu} ranks ...", flush=True)
         previous[case.name] = {**run_case(case), "date": str(date.today()), "commit": commit}
-        rows = [previous[c.name] for c in CASES if c.name in previous]
-        out.write_text(json.dumps(rows, indent=1))
-        write_markdown(rows, HERE / "README.md")
+        save_rows(HERE, [previous[c.name] for c in CASES if c.name in previous], write_markdown)
     return 0
 
 
