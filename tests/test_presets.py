@@ -57,6 +57,7 @@ def test_llama3_70b_plans_for_64_gpus_and_fits_an_h100(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.tail()
     assert "more than the device holds" not in run.stderr, run.tail()
+    assert "plan: at the step's peak (" in run.stderr, run.tail()  # what fills it, in one line
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["mesh"]["names"] == ["dp_shard", "tp"] and plan["mesh"]["sizes"] == [8, 8]
     assert plan["status"] == "optimal"

@@ -7,6 +7,8 @@ machine without it fails here with the command to install it, never skips.
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
@@ -25,6 +27,7 @@ from torchtitan_autoparallel.report.common import (
     group_blocks,
     large_buffers,
     memory_fit,
+    peak_summary,
     split_layer,
 )
 from torchtitan_autoparallel.report.diff import diff_plans, format_diff
@@ -284,3 +287,24 @@ def test_peak_activation_estimate_falls_with_checkpointing() -> None:
     # Logits of the whole batch (8 x 128 x 2048 fp32) are live at once, at least.
     assert peak >= 8 * 128 * 2048 * 4
     assert full_ac.predicted["peak_activation_bytes_per_device"] < peak
+
+
+def test_the_peak_lists_what_is_live_then_and_adds_up_to_it(plans, tmp_path: Path) -> None:
+    plan = Plan.from_json(plans["fsdp_tp"])  # read back: the listing survives plan.json
+    peak = plan.predicted["peak_activation_bytes_per_device"]
+    parts = plan.peak_contents
+    assert parts and plan.peak_at
+    assert sum(p["bytes"] for p in parts) == pytest.approx(peak, rel=1e-12)
+    listed = [p["bytes"] for p in parts if p["what"] not in ("other tensors",) and " kept " not in p["what"]
+              and "redistributed" not in p["what"]]
+    assert listed == sorted(listed, reverse=True) and all(p["count"] >= 1 for p in parts)
+    # the whole batch's log-softmax (8 x 128 tokens x 2048 fp32) is among them, at its local size
+    (logits,) = [p for p in parts if p["what"].startswith("_log_softmax float32 [1024, 2048] ")]
+    placements = re.findall(r"S\(\d+\)|R|P", logits["what"].rsplit(" ", 1)[1])
+    pieces = math.prod(n for p, n in zip(placements, plan.mesh["sizes"]) if p.startswith("S"))
+    assert len(placements) == 2 and logits["bytes"] == 1024 * 2048 * 4 / pieces
+    summary = peak_summary(plan)
+    assert summary.startswith(f"at the step's peak ({plan.peak_at}): ") and parts[0]["what"] in summary
+    dom = _render(plans["fsdp_tp"], tmp_path, warn_gib=1.0)
+    rows = [a for tag, a in dom.elements if tag == "tr" and "data-what" in a]
+    assert [r["data-what"] for r in rows] == [p["what"] for p in parts]

@@ -16,19 +16,23 @@ chosen placements:
   allocator's fragmentation or kernel workspaces.
 
 So the figure is what the planned program itself keeps live at its worst
-moment, which is what changes between two plans of one model.
+moment, which is what changes between two plans of one model. ``predicted_peak``
+also says what is live then, grouped (op, dtype, shape, placements), largest
+first, so a plan that does not fit says why.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from torch import fx
 
 from torchtitan_autoparallel.planner.build import GRAD_EDGE, EdgeInfo
-from torchtitan_autoparallel.planner.placement import local_shape
+from torchtitan_autoparallel.planner.placement import label, local_shape
 from torchtitan_autoparallel.planner.rules import VIEW_OPS
 from torchtitan_autoparallel.planner.strategy import Strategy
 from torchtitan_autoparallel.planner.trace import TracedStep
@@ -52,17 +56,67 @@ def _is_alias(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in VIEW_OPS or node.target is operator.getitem)
 
 
-def peak_activation_bytes(
+TOP_PARTS = 8  # groups of live tensors a peak lists; the rest are summed as one
+
+
+@dataclass
+class PeakPart:
+    """Tensors live at the peak that look alike, or a kind of bytes counted apart."""
+
+    what: str  # op, dtype, global shape, placements: "mm bfloat16 [524288, 14336] S(0)S(0)"
+    count: int
+    bytes: float  # all of them together
+
+
+@dataclass
+class Peak:
+    bytes: float
+    at: str  # the graph node running at the peak
+    parts: list[PeakPart]  # largest first; they add up to ``bytes``
+
+
+@dataclass
+class _Timeline:
+    order: list[fx.Node]
+    position: dict[fx.Node, int]
+    size: dict[fx.Node, float]  # allocation -> bytes
+    last_use: dict[fx.Node, int]
+    transient: dict[int, float]
+    kept: dict[int, float]
+
+
+def predicted_peak(
     traced: TracedStep,
     chosen: Mapping[fx.Node, Strategy],
     edge_parts: list[list[EdgeInfo]],
     mesh_sizes: tuple[int, ...],
-) -> float:
-    """Largest per-device total of live step-produced tensors (see the module docstring)."""
+) -> Peak:
+    """Largest per-device total of live step-produced tensors (see the module docstring),
+    where in the step it is reached, and what is live there."""
+    t = _timeline(traced, chosen, edge_parts, mesh_sizes)
+    frees: dict[int, float] = defaultdict(float)
+    for owner, nbytes in t.size.items():
+        frees[t.last_use[owner]] += nbytes
+    live = peak = 0.0
+    at = 0
+    for i, node in enumerate(t.order):
+        live += t.size.get(node, 0.0) + t.kept.get(i, 0.0)
+        if live + t.transient.get(i, 0.0) > peak:
+            peak, at = live + t.transient.get(i, 0.0), i
+        live -= frees.get(i, 0.0)
+    return Peak(peak, t.order[at].name, _parts_at(t, at, chosen))
+
+
+def _timeline(
+    traced: TracedStep,
+    chosen: Mapping[fx.Node, Strategy],
+    edge_parts: list[list[EdgeInfo]],
+    mesh_sizes: tuple[int, ...],
+) -> _Timeline:
     order = list(traced.graph.graph.nodes)
     position = {n: i for i, n in enumerate(order)}
     root: dict[fx.Node, fx.Node] = {}  # alias -> the allocation it shows
-    size: dict[fx.Node, float] = {}  # allocation -> bytes
+    size: dict[fx.Node, float] = {}
     last_use: dict[fx.Node, int] = {}
     for i, node in enumerate(order):
         if node.op in ("placeholder", "output", "get_attr"):
@@ -79,15 +133,38 @@ def peak_activation_bytes(
                 last_use[owner] = max(last_use.get(owner, i), i)
     transient = _transient_bytes(chosen, edge_parts, mesh_sizes, position)
     kept = _gradient_bytes(traced, chosen, mesh_sizes, position)
-    frees: dict[int, float] = {}
-    for owner, nbytes in size.items():
-        frees[last_use[owner]] = frees.get(last_use[owner], 0.0) + nbytes
-    live = peak = 0.0
-    for i, node in enumerate(order):
-        live += size.get(node, 0.0) + kept.get(i, 0.0)
-        peak = max(peak, live + transient.get(i, 0.0))
-        live -= frees.get(i, 0.0)
-    return peak
+    return _Timeline(order, position, size, last_use, transient, kept)
+
+
+def _parts_at(t: _Timeline, at: int, chosen: Mapping[fx.Node, Strategy]) -> list[PeakPart]:
+    groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for owner, nbytes in t.size.items():
+        if t.position[owner] <= at <= t.last_use[owner] and nbytes > 0:
+            group = groups[_describe(owner, chosen.get(owner))]
+            group[0] += 1
+            group[1] += nbytes
+    parts = sorted((PeakPart(w, int(c), b) for w, (c, b) in groups.items()), key=lambda p: -p.bytes)
+    rest = parts[TOP_PARTS:]
+    parts = parts[:TOP_PARTS]
+    if rest:
+        parts.append(PeakPart("other tensors", sum(p.count for p in rest), sum(p.bytes for p in rest)))
+    grads = sum(b for i, b in t.kept.items() if i <= at)
+    if grads:
+        parts.append(PeakPart("reduced gradients, kept to the step's end", sum(1 for i in t.kept if i <= at), grads))
+    if t.transient.get(at):
+        parts.append(PeakPart("inputs redistributed for the op at the peak", 1, t.transient[at]))
+    return parts
+
+
+def _describe(node: fx.Node, strategy: Strategy | None) -> str:
+    val = node.meta.get("val")
+    first = val[0] if isinstance(val, (tuple, list)) and val else val
+    op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    if not hasattr(first, "dtype"):
+        return op
+    dtype = str(first.dtype).removeprefix("torch.")
+    where = label(strategy.outputs[0]) if strategy is not None and strategy.outputs[0] else ""
+    return f"{op} {dtype} {list(first.shape)} {where}".rstrip()
 
 
 def _transient_bytes(

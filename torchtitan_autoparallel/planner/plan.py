@@ -26,7 +26,7 @@ from torchtitan_autoparallel.planner.cost_model import (
     placement_str,
     redistribute_steps,
 )
-from torchtitan_autoparallel.planner.memory import peak_activation_bytes
+from torchtitan_autoparallel.planner.memory import predicted_peak
 from torchtitan_autoparallel.planner.placement import label
 from torchtitan_autoparallel.planner.rules import VIEW_OPS
 from torchtitan_autoparallel.planner.solvers.base import Solution
@@ -63,6 +63,10 @@ class Plan:
     # the GPU's own, or for a dry run the cost profile's; None where not known (CPU ranks).
     device_memory_bytes: float | None = None
     peak_rss_gib: dict[str, float] = field(default_factory=dict)  # planner's memory high-water mark after each stage
+    # What is live at the predicted activation peak (planner/memory.py ``PeakPart``s as
+    # dicts: what, count, bytes; largest first), and the graph node running then.
+    peak_contents: list[dict[str, Any]] = field(default_factory=list)
+    peak_at: str = ""
 
     # ------------------------------------------------------------ accessors
 
@@ -112,6 +116,7 @@ def plan_from_solution(
     chosen = {n: built.strategies(n)[int(x[i])] for i, n in enumerate(built.nodes)}
     params = {fqn: [placement_str(p) for p in chosen[node].outputs[0]] for fqn, node in traced.params.items()}
     nodes = {n.name: ",".join(label(p) if p else "-" for p in s.outputs) for n, s in chosen.items()}
+    peak = predicted_peak(traced, chosen, built.edge_parts, mesh.sizes)
     compute = float(sum(problem.unary[v][x[v]] for v in range(problem.num_nodes)))
     comm = float(sum(t[x[u], x[v]] for t, (u, v) in zip(problem.pairwise, problem.edges)))
     predicted = {
@@ -120,7 +125,7 @@ def plan_from_solution(
         "total_us": compute + comm,
         "param_bytes_per_device": float(problem.memory_used(x)),
         # An estimate from live tensor sizes; planner/memory.py says what it counts.
-        "peak_activation_bytes_per_device": peak_activation_bytes(traced, chosen, built.edge_parts, mesh.sizes),
+        "peak_activation_bytes_per_device": peak.bytes,
     }
     return Plan(
         mesh={"names": list(mesh.names), "sizes": list(mesh.sizes)},
@@ -135,6 +140,8 @@ def plan_from_solution(
         status=solution.status,
         timings=dict(timings or {}),
         memory_budget_bytes=problem.memory_budget,
+        peak_contents=[asdict(part) for part in peak.parts],
+        peak_at=peak.at,
     )
 
 

@@ -123,7 +123,8 @@ def trace_training_step(
             grads = [g.to(ps[n].dtype) for n, g in zip(names, grads)]
         return loss, list(grads)
 
-    with checkpointed_blocks(model, activation_checkpoint), _cast_when_used(model, param_dtype if mixed else None, casts):
+    cast_to = param_dtype if mixed else None
+    with checkpointed_blocks(model, activation_checkpoint), _cast_when_used(model, cast_to, casts):
         gm = make_fx(step, tracing_mode="fake", record_module_stack=True)(params, buffers, tokens, labels)
     _remove_inplace(gm)
     _drop_aliases(gm)

@@ -172,6 +172,17 @@ class MemoryFit:
         return f"{self.summary()}: more than the device holds; {advice}"
 
 
+def peak_summary(plan: Plan, parts: int = 3) -> str | None:
+    """The largest groups of tensors live at the predicted peak, on one line (None for
+    plans written before the planner listed them)."""
+    if not plan.peak_contents:
+        return None
+    shown = "; ".join(
+        f"{fmt_bytes(c['bytes'])} in {c['count']} x {c['what']}" for c in plan.peak_contents[:parts]
+    )
+    return f"at the step's peak ({plan.peak_at}): {shown}"
+
+
 def memory_fit(plan: Plan) -> MemoryFit | None:
     """None when the plan names no device memory (CPU ranks, older plans)."""
     if not plan.device_memory_bytes:

@@ -136,7 +136,22 @@ def _memory_section(plan: Plan) -> str:
         "redistributed inputs, reduced gradients) live at once on one device, estimated from the traced graph; "
         "parameters and optimizer state are not included.</p>"
     )
-    return f'<h2>Memory per device</h2><table id="memory">{"".join(rows)}</table>{note}'
+    return f'<h2>Memory per device</h2><table id="memory">{"".join(rows)}</table>{note}{_peak_table(plan)}'
+
+
+def _peak_table(plan: Plan) -> str:
+    if not plan.peak_contents:
+        return ""
+    rows = "".join(
+        f'<tr data-what="{_e(c["what"])}"><td>{_e(c["what"])}</td><td class="num">{c["count"]}</td>'
+        f'<td class="num" data-bytes="{float(c["bytes"])!r}">{_e(fmt_bytes(c["bytes"]))}</td></tr>'
+        for c in plan.peak_contents
+    )
+    return (
+        f"<h3>Live at the peak (while <code>{_e(plan.peak_at)}</code> runs)</h3>"
+        f'<table id="peak"><tr><th>tensors (op, dtype, global shape, placements)</th><th>count</th><th>bytes</th></tr>'
+        f"{rows}</table>"
+    )
 
 
 def _placements_section(plan: Plan) -> str:

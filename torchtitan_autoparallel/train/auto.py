@@ -130,7 +130,7 @@ def _device_memory_bytes(job: JobConfig, runtime: Runtime) -> float | None:
 def _write_plan_report(job: JobConfig, plan, folder: Path) -> None:
     """plan.html beside plan.json; a warning per collective that gathers too much per
     device, and one if the plan's memory estimate outgrows the device."""
-    from torchtitan_autoparallel.report.common import GIB, memory_fit, plan_warnings
+    from torchtitan_autoparallel.report.common import GIB, memory_fit, peak_summary, plan_warnings
     from torchtitan_autoparallel.report.html import write_html
 
     threshold = job.autoparallel.report_warn_gib * GIB
@@ -140,6 +140,8 @@ def _write_plan_report(job: JobConfig, plan, folder: Path) -> None:
     fit = memory_fit(plan)
     if fit is not None and fit.fits:
         logger.info("plan: %s", fit.summary())
+    if fit is not None and (peak := peak_summary(plan)):
+        logger.info("plan: %s", peak)
     logger.info(f"plan report written to {folder / 'plan.html'}")
 
 
