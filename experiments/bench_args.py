@@ -1,6 +1,6 @@
 """The command line the benchmark scripts share: ``--only`` picks cases by name,
 ``--report-only`` rewrites a folder's README.md from its committed results.json;
-and how a partial rerun keeps the other cases' rows.
+and how a partial rerun keeps the other cases' rows, and a rewrite the README's notes.
 
 A script under ``experiments/<name>/`` imports it after putting ``experiments/``
 on ``sys.path``.
@@ -46,3 +46,14 @@ def previous_rows(folder: Path) -> dict[str, dict]:
 def save_rows(folder: Path, rows: list[dict], write_markdown: Callable[[Any, Path], None]) -> None:
     (folder / "results.json").write_text(json.dumps(rows, indent=1))
     write_markdown(rows, folder / "README.md")
+
+
+NOTES_MARK = "<!-- notes: kept when the table is rewritten -->"
+
+
+def kept_notes(readme: Path) -> str:
+    """The hand-written notes below a README's table (from ``NOTES_MARK`` on, the mark
+    included), so rewriting the table keeps them; the bare mark where there are none."""
+    old = readme.read_text() if readme.exists() else ""
+    at = old.find(NOTES_MARK)
+    return old[at:] if at >= 0 else NOTES_MARK + "\n"

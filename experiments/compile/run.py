@@ -32,8 +32,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(HERE.parent))
 
 from _run import LLAMA3_CONFIG, read_metrics, run_launcher  # noqa: E402
+from bench_args import kept_notes  # noqa: E402  (experiments/)
 
 STEPS = 12
 WARMUP = 3
@@ -44,7 +46,6 @@ PLANS = [
     ("hand-written FSDP 2", "llama3", 2, 1),
     ("hand-written FSDP 2 x TP 2", "llama3", 4, 2),
 ]
-NOTES_MARK = "<!-- notes: kept when the table is rewritten -->"
 BUILT = re.compile(r"compile: \w+ built the planned step in ([0-9.]+) s")
 
 
@@ -106,9 +107,7 @@ def write_markdown(rows: list[dict], path: Path) -> None:
             f"| {e['memory_gib']:.2f} | {i['memory_gib']:.2f} | {e['first_step_s']:.1f} / {i['first_step_s']:.1f} "
             f"| {build} | {r['max_loss_rel_diff']:.1e} |"
         )
-    old = path.read_text() if path.exists() else ""
-    notes = old.split(NOTES_MARK, 1)[1] if NOTES_MARK in old else "\n"
-    path.write_text("\n".join(lines) + "\n\n" + NOTES_MARK + notes)
+    path.write_text("\n".join(lines) + "\n\n" + kept_notes(path))
 
 
 def main() -> int:

@@ -30,10 +30,10 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(HERE.parent))
 
 from _run import run_launcher  # noqa: E402
-from bench_args import add_case_args, pick_cases, previous_rows, rewrite_report, save_rows  # noqa: E402
+from bench_args import add_case_args, kept_notes, pick_cases, previous_rows, rewrite_report, save_rows  # noqa: E402
 
-GIB = 2**30
-NOTES_MARK = "<!-- notes: kept when the table is rewritten -->"
+from torchtitan_autoparallel.report.common import GIB  # noqa: E402
+
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,6 @@ def run_case(case: Case) -> dict:
 
 
 def write_markdown(rows: list[dict], path: Path) -> None:
-    old = path.read_text() if path.exists() else ""
-    notes = old[old.find(NOTES_MARK):] if NOTES_MARK in old else NOTES_MARK + "\n"
     lines = [
         "# The cluster job files, planned from one machine",
         "",
@@ -99,7 +97,7 @@ def write_markdown(rows: list[dict], path: Path) -> None:
                  f"{100 * r['gap']:.3f}%", f"{r['param_gib']:.2f}", f"{r['state_gib']:.2f}",
                  f"{r['peak_gib']:.2f}", f"{total:.2f} / {r['device_gib']:.2f}", "yes" if r["fits"] else "no"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    path.write_text("\n".join(lines) + "\n\n" + notes)
+    path.write_text("\n".join(lines) + "\n\n" + kept_notes(path))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench_args import add_case_args, rewrite_report  # noqa: E402  (experiments/)
+from bench_args import add_case_args, kept_notes, rewrite_report  # noqa: E402  (experiments/)
 
 LOOSE = 4.0  # the loose budget, as a multiple of the tightest
 SOLVERS = ("ilp-highs", "ilp-cbc", "lp", "approx")
@@ -42,7 +42,6 @@ REPEAT_UNDER_S = 5.0  # runs shorter than this are repeated ...
 REPEATS = 3  # ... this many times in all, and the median time kept
 D2 = ("dp_shard", "tp")
 D3 = ("dp_replicate", "dp_shard", "tp")
-NOTES_MARK = "<!-- notes: kept when the table is rewritten -->"
 
 
 @dataclass(frozen=True)
@@ -292,14 +291,7 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "`.venv/bin/python experiments/solver_bench/run.py`.",
         "",
     ]
-    path.write_text("\n".join(text + rows) + "\n" + _notes(path))
-
-
-def _notes(path: Path) -> str:
-    """The hand-written findings below the table (from ``NOTES_MARK`` on), kept across rewrites."""
-    old = path.read_text() if path.exists() else ""
-    at = old.find(NOTES_MARK)
-    return "\n" + old[at:] if at >= 0 else ""
+    path.write_text("\n".join(text + rows) + "\n\n" + kept_notes(path))
 
 
 def _cases(only: str) -> list[tuple[Model, Mesh, str]]:
