@@ -45,6 +45,7 @@ class ParityConfig:
     bucket_collectives: int = 0  # 1: with compile, merge that graph's collectives (bucketing.py)
     strided_sharding: int = 0  # 1: plan with [autoparallel] strided_sharding
     plan_overlap: int = 0  # 1: plan with [autoparallel] overlap (the savings model)
+    solver: str = "ilp"  # [autoparallel] solver; approx keeps a 3-D mesh's plan to seconds
 
 
 @dataclass
@@ -138,6 +139,7 @@ def run_planned(
         portable_kernels=bool(cfg.portable_kernels),
         strided_sharding=bool(cfg.strided_sharding),
         overlap=bool(cfg.plan_overlap),
+        solver=cfg.solver,
     )
     step = planned.step
     result = ParityResult(losses=[], grad_norms=[], plan_timings=dict(planned.plan.timings))
