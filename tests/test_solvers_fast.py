@@ -468,6 +468,25 @@ def test_cache_key_covers_the_optimality_check() -> None:
     assert on != off
 
 
+@pytest.mark.parametrize("overlap_on,warned", [("true", True), ("false", False)])
+def test_optimality_check_with_overlap_is_flagged(overlap_on: str, warned: bool, capsys) -> None:
+    """The check's LP bounds the objective without savings, so overlap solves skip it."""
+    from test_launcher import LLAMA3_CONFIG
+
+    from torchtitan_autoparallel.train import preflight
+
+    argv = ["--ngpu", "2", "--job.config_file", str(LLAMA3_CONFIG), "--model.name", "llama3_auto_parallel",
+            "--autoparallel.overlap", overlap_on, "--autoparallel.optimality_check", "true"]
+    assert preflight.main(argv) == 0
+    err = capsys.readouterr().err
+    if warned:
+        assert err.startswith("warning: autoparallel.optimality_check = True has no effect with "
+                              "autoparallel.overlap = True"), err
+        assert err.count("\n") == 1
+    else:
+        assert err == ""
+
+
 # --- the debug model's real problem ------------------------------------------
 
 

@@ -33,6 +33,7 @@ def check(job: JobConfig, ngpu: int, fake: bool = False) -> None:
         check_planned_validation_shape(job)
         _warn_unused_fsdp_setting(job)
         _warn_unused_mip_gap(job)
+        _warn_unused_optimality_check(job)
     else:
         _warn_unused_planner_settings(job)
     checkpoint.check_resume(job, entry.family)
@@ -132,6 +133,19 @@ def _warn_unused_mip_gap(job: JobConfig) -> None:
             f"warning: autoparallel.mip_gap = {a.mip_gap!r} has no effect: solver = {a.solver!r} "
             "runs no MIP search; it applies to solver = ilp or auto"
             + (" (and lp with overlap)" if a.solver == "lp" else ""),
+            file=sys.stderr,
+        )
+
+
+def _warn_unused_optimality_check(job: JobConfig) -> None:
+    """The check's LP bounds the plain objective; with overlap the savings lower the
+    objective below it, so each overlap solver proves its own bound instead."""
+    a = job.autoparallel
+    if a.optimality_check and a.overlap:
+        print(
+            "warning: autoparallel.optimality_check = True has no effect with autoparallel.overlap = True: "
+            "every overlap solver reports its own proven bound (the log's 'solve: ... bound ..., gap ...' "
+            "and plan.json's lower_bound)",
             file=sys.stderr,
         )
 
