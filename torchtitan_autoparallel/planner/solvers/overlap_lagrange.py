@@ -24,10 +24,11 @@ path a better warm start and a bound where its MIP is too large to solve.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -94,8 +95,11 @@ def sweep(
     def left() -> float | None:
         return None if time_limit is None else time_limit - (time.perf_counter() - start)
 
-    first = plain.solve(problem, left())
+    with _quiet_inner_solves():
+        first = plain.solve(problem, left())
     best = Sweep(first.assignment, score(first.assignment), -math.inf)
+    LOG.info("overlap sweep: plain plan %.6g us with overlap (%s, %.2f s)",
+             best.objective, first.solver, time.perf_counter() - start)
     lo, hi = 0.0, 1.0
     for _ in range(steps):
         remaining = left()
@@ -103,9 +107,12 @@ def sweep(
             LOG.info("overlap sweep: time is up after %d steps", len(best.trace))
             break
         theta = 0.5 * (lo + hi)
-        sol = plain.solve(reweighted(problem, edges, theta), remaining)
+        with _quiet_inner_solves():
+            sol = plain.solve(reweighted(problem, edges, theta), remaining)
         value = score(sol.assignment)
         best.trace.append((theta, value, sol.lower_bound))
+        LOG.info("overlap sweep %d/%d: theta %.4f, plan %.6g us, bound %.6g us (%.2f s)",
+                 len(best.trace), steps, theta, value, sol.lower_bound, time.perf_counter() - start)
         best.bound = max(best.bound, sol.lower_bound)
         if value < best.objective:
             best.assignment, best.objective = sol.assignment, value
@@ -119,6 +126,19 @@ def sweep(
         best.objective, best.bound, len(best.trace), time.perf_counter() - start,
     )
     return best
+
+
+@contextlib.contextmanager
+def _quiet_inner_solves() -> Iterator[None]:
+    """The sweep's plain solves would log five lines each at INFO; the sweep logs one a
+    step instead. A logger already set to DEBUG keeps everything."""
+    level = LOG.level
+    if LOG.getEffectiveLevel() >= logging.INFO:
+        LOG.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        LOG.setLevel(level)
 
 
 class SweepOverlapSolver:
