@@ -10,6 +10,8 @@ compiled and scheduled step under torchrun and compares losses with one device.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -207,6 +209,21 @@ def test_compiling_the_step_shares_one_fake_mode(fake_two, monkeypatch):
     step.compile(tokens, labels)
     nodes = len(step.local_graph.graph.nodes)
     assert nodes > 500 and len(made) <= 2, f"{len(made)} fake modes for {nodes} nodes"
+
+
+def test_compiling_the_step_logs_its_progress(fake_two, monkeypatch, caplog):
+    """A compile can run for minutes (a large model, a crowded host): it says it started,
+    then how many graph nodes it has interpreted, every PROGRESS_EVERY_S seconds."""
+    from torchtitan_autoparallel.execute import compiled
+
+    step, (tokens, labels) = _planned_fsdp_step()
+    monkeypatch.setattr(compiled, "PROGRESS_EVERY_S", 0.0)  # every node
+    with caplog.at_level("INFO", logger="torchtitan_autoparallel.execute"):
+        step.compile(tokens, labels)
+    total = len(step.traced.graph.graph.nodes)
+    assert f"compiling the step: one step interpreted over DTensors ({total} graph nodes)" in caplog.text
+    done = [int(m) for m in re.findall(rf"compiling the step: node (\d+) of {total} interpreted", caplog.text)]
+    assert done == list(range(1, total + 1))
 
 
 # ---------------------------------------------------------------- multi-rank parity

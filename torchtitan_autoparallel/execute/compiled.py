@@ -15,6 +15,8 @@ bitwise those of the interpreter (checked by the tests through the losses).
 from __future__ import annotations
 
 import copy
+import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -29,16 +31,40 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torchtitan_autoparallel.execute.step import PlannedStep, StepOutput
 
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
+PROGRESS_EVERY_S = 30.0
+log = logging.getLogger("torchtitan_autoparallel.execute")
+
+
+class CompileProgress:
+    """Logs how far the compile's interpreted step has got, every ``every_s`` seconds: on a
+    large model or a crowded host it runs for minutes with nothing else to show."""
+
+    def __init__(self, total: int, every_s: float) -> None:
+        self.total = total
+        self.every_s = every_s
+        self.done = 0
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if now - self.last >= self.every_s:
+            self.last = now
+            log.info("compiling the step: node %d of %d interpreted (%.0f s)", self.done, self.total, now - self.start)
 
 
 def trace_local_graph(planned: PlannedStep, tokens: DTensor, labels: DTensor) -> fx.GraphModule:
     """Record one interpreted step as (local inputs) -> (local loss, local grads)."""
     templates = planned.inputs(tokens, labels)
     fqns = list(planned.traced.params)
+    total = len(planned.traced.graph.graph.nodes)
+    log.info("compiling the step: one step interpreted over DTensors (%d graph nodes) and traced "
+             "into a local-tensor graph; the first step waits for it", total)
+    progress = CompileProgress(total, PROGRESS_EVERY_S)
 
     def local_step(*locals_: torch.Tensor):
         wrapped = [_like(t, local) for t, local in zip(templates, locals_)]
-        out = planned.interpret(wrapped)
+        out = planned.interpret(wrapped, progress)
         return (out.loss.to_local(), *(out.grads[f].to_local() for f in fqns))
 
     # make_fx records every value's metadata through a fake mode, and DTensor's sharding

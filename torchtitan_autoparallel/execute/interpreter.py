@@ -27,6 +27,7 @@ Nodes outside the problem (none carry tensors today) run as plain FX nodes.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,7 @@ class PlannedInterpreter(fx.Interpreter):
         mesh: DeviceMesh,
         modes: ExecutionModes,
         portable_kernels: bool = False,
+        progress: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.chosen = chosen
@@ -89,8 +91,11 @@ class PlannedInterpreter(fx.Interpreter):
         self.modes = modes
         # Run CPU-only kernels through their portable stand-ins even on CPU (for tests).
         self.portable_kernels = portable_kernels
+        self.progress = progress  # called once per node (the compile's progress log)
 
     def run_node(self, n: fx.Node) -> Any:
+        if self.progress is not None:
+            self.progress()
         if n.op != "call_function" or n.target is operator.getitem or n not in self.chosen:
             return super().run_node(n)
         strategy = self.chosen[n]

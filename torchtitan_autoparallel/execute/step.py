@@ -137,10 +137,13 @@ class PlannedStep:
         t = self.traced
         return [*(self.params[f] for f in t.params), *(self.buffers[b] for b in t.buffers), tokens, labels]
 
-    def interpret(self, inputs: list[DTensor]) -> StepOutput:
-        """Interpret the joint graph over DTensors placed as planned (``inputs`` as ``self.inputs``)."""
+    def interpret(self, inputs: list[DTensor], progress: Callable[[], None] | None = None) -> StepOutput:
+        """Interpret the joint graph over DTensors placed as planned (``inputs`` as ``self.inputs``);
+        ``progress`` is called once per graph node."""
         t = self.traced
-        interpreter = PlannedInterpreter(t.graph, self.chosen, self.mesh, self.modes, self.portable_kernels)
+        interpreter = PlannedInterpreter(
+            t.graph, self.chosen, self.mesh, self.modes, self.portable_kernels, progress=progress
+        )
         with torch.no_grad():
             flat = _flatten(interpreter.run(*inputs, enable_io_processing=False))
             loss, raw = flat[0], flat[1:]
