@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import re
+
 import numpy as np
 import pytest
 from test_overlap import _brute_force, _layered_problem, _random_problem
@@ -76,6 +79,20 @@ def test_sweep_bound_and_plan_bracket_the_exact_optimum(seed):
     assert found.objective <= score(plain.assignment) + TOL  # never worse than overlap off
     # every step's bound is a bound
     assert all(bound <= exact + TOL for _, _, bound in found.trace)
+
+
+@pytest.mark.parametrize("level", ["INFO", "DEBUG"])
+def test_sweep_logs_a_line_a_step_and_hides_its_plain_solves_at_info(level, caplog):
+    problem, spec = _random_problem(np.random.default_rng(300), n=6)
+    score = lambda x: overlap_objective(problem, spec, x)  # noqa: E731
+    logger = logging.getLogger("torchtitan_autoparallel.planner")
+    with caplog.at_level(level, logger=logger.name):
+        found = sweep(problem, spec, get_solver("ilp"), score)
+        assert logger.level == logging.getLevelName(level)  # restored after the sweep
+    steps = re.findall(r"overlap sweep (\d+)/\d+: theta", caplog.text)
+    assert steps == [str(i + 1) for i in range(len(found.trace))] and steps
+    # the plain ILP's own lines ("ilp-highs: presolve: ...") only where DEBUG asks for them
+    assert ("ilp-highs: presolve" in caplog.text) == (level == "DEBUG")
 
 
 @pytest.mark.parametrize("seed", range(3))
