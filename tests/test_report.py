@@ -10,10 +10,12 @@ import json
 import math
 import re
 import subprocess
+from dataclasses import replace
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan_autoparallel.models.registry import build_meta_model
@@ -178,6 +180,14 @@ def test_memory_fit_advice_follows_what_fills_the_device() -> None:
     assert "local_batch_size" in mostly_activations.message()
     assert "activation_checkpoint.mode" in mostly_activations.message()
     assert "data_parallel_shard_degree" not in mostly_activations.message()
+    # LLaMA3-405B on FSDP 256 x TP 8 (see MemoryFit.message): weight copies fill the peak
+    kept = MemoryFit(state_bytes=2 * GIB, activation_bytes=106 * GIB, device_bytes=80 * GIB,
+                     weight_copy_bytes=93 * GIB, shard_ranks=256)
+    assert "(93.00 GiB)" in kept.message() and "over 256 shard ranks" in kept.message()
+    assert "data_parallel_replicate_degree" in kept.message() and "local_batch_size" not in kept.message()
+    # ...but with no shard group to shrink, or copies a minor part, the batch advice stands
+    for other in (replace(kept, shard_ranks=1), replace(kept, weight_copy_bytes=40 * GIB)):
+        assert "local_batch_size" in other.message() and "data_parallel_replicate_degree" not in other.message()
 
 
 def test_report_warns_when_the_plan_outgrows_the_device(plans, tmp_path: Path) -> None:
@@ -287,6 +297,17 @@ def test_peak_activation_estimate_falls_with_checkpointing() -> None:
     # Logits of the whole batch (8 x 128 x 2048 fp32) are live at once, at least.
     assert peak >= 8 * 128 * 2048 * 4
     assert full_ac.predicted["peak_activation_bytes_per_device"] < peak
+
+
+def test_the_peak_counts_the_weight_copies_in_it() -> None:
+    """bf16 casts of the weights live at the peak are counted apart; fp32 weights are
+    read in place (their views alias them), so that plan has none."""
+    fp32 = _plan((1,), ("dp_shard",)).predicted
+    bf16 = _plan((1,), ("dp_shard",), param_dtype=torch.bfloat16).predicted
+    assert fp32["peak_weight_copy_bytes_per_device"] == 0
+    numel = sum(p.numel() for p in build_meta_model("llama3", "debugmodel", n_layers=3).parameters())
+    copies = bf16["peak_weight_copy_bytes_per_device"]
+    assert 0 < copies <= 2 * numel and copies < bf16["peak_activation_bytes_per_device"]
 
 
 def test_the_peak_lists_what_is_live_then_and_adds_up_to_it(plans, tmp_path: Path) -> None:

@@ -38,21 +38,33 @@ from torchtitan_autoparallel.report.common import GIB  # noqa: E402
 
 @dataclass(frozen=True)
 class Case:
-    name: str  # train_configs/<name>.toml
+    name: str  # the row; train_configs/<name>.toml unless ``job_file`` says otherwise
     ngpu: int
+    job_file: str = ""
+    extra: tuple[str, ...] = ()  # overrides on top of the file
+
+    @property
+    def config(self) -> str:
+        return self.job_file or self.name
 
 
-CASES = [Case("llama3_8b", 64), Case("llama3_70b", 64), Case("llama3_405b", 128), Case("qwen3_32b", 8)]
+CASES = [
+    Case("llama3_8b", 64), Case("llama3_70b", 64), Case("llama3_405b", 128), Case("qwen3_32b", 8),
+    # The 405B file on 16 times its cluster: FSDP over 256 ranks keeps gathered weights for
+    # the backward and outgrows the device; HSDP's shard groups of 16 do not.
+    Case("llama3_405b-fsdp256", 2048, "llama3_405b"),
+    Case("llama3_405b-hsdp16", 2048, "llama3_405b", ("--parallelism.data_parallel_replicate_degree", "16")),
+]
 
 
 def run_case(case: Case) -> dict:
-    config = REPO / "train_configs" / f"{case.name}.toml"
+    config = REPO / "train_configs" / f"{case.config}.toml"
     with tempfile.TemporaryDirectory() as out:
-        run = run_launcher(["--job.dump_folder", out], config=config, ngpu=case.ngpu,
+        run = run_launcher(["--job.dump_folder", out, *case.extra], config=config, ngpu=case.ngpu,
                            comm_mode="fake_backend", timeout=1800)
         row = {"case": case.name, "ngpu": case.ngpu, "rc": run.returncode, "wall_s": round(run.seconds, 1),
-               "command": f"CONFIG_FILE=train_configs/{case.name}.toml NGPU={case.ngpu} "
-                          "COMM_MODE=fake_backend ./run_train.sh"}
+               "command": " ".join([f"CONFIG_FILE=train_configs/{case.config}.toml NGPU={case.ngpu} "
+                                    "COMM_MODE=fake_backend ./run_train.sh", *case.extra])}
         if run.returncode != 0:
             return {**row, "error": run.stderr.strip().splitlines()[-1:]}
         plan = json.loads((Path(out) / "plan.json").read_text())
@@ -68,6 +80,8 @@ def run_case(case: Case) -> dict:
         "param_gib": p["param_bytes_per_device"] / GIB,
         "state_gib": state / GIB,
         "peak_gib": p["peak_activation_bytes_per_device"] / GIB,
+        "weight_copies_gib": p["peak_weight_copy_bytes_per_device"] / GIB,
+        "step_s": plan["objective"] / 1e6,
         "device_gib": plan["device_memory_bytes"] / GIB,
         "fits": state + p["peak_activation_bytes_per_device"] <= plan["device_memory_bytes"],
     }
@@ -81,11 +95,13 @@ def write_markdown(rows: list[dict], path: Path) -> None:
         "`COMM_MODE=fake_backend`, `h100` cost profile). `plan s`: the planner's own time "
         "(trace to plan); `wall s`: the whole launch. Memory per device, as the planner "
         "predicts it: `state` is the weights and AdamW's two states, `peak` the step's "
-        "activations and gradients at their worst moment. Commands in `results.json`.",
+        "activations and gradients at their worst moment, `weights` the part of it that is weights "
+        "cast or gathered and kept for the backward; `step s` the plan's predicted step time. "
+        "Commands in `results.json`.",
         "",
-        "| job file | ranks | mesh | plan s | wall s | solver, status | gap | params GiB | state GiB "
-        "| peak GiB | total / device GiB | fits |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| job file | ranks | mesh | plan s | wall s | solver, status | gap | step s | params GiB | state GiB "
+        "| peak GiB | weights GiB | total / device GiB | fits |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if "error" in r:
@@ -94,10 +110,16 @@ def write_markdown(rows: list[dict], path: Path) -> None:
         mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
         total = r["state_gib"] + r["peak_gib"]
         cells = [r["case"], r["ngpu"], mesh, r["plan_s"], r["wall_s"], f"{r['solver']}, {r['status']}",
-                 f"{100 * r['gap']:.3f}%", f"{r['param_gib']:.2f}", f"{r['state_gib']:.2f}",
-                 f"{r['peak_gib']:.2f}", f"{total:.2f} / {r['device_gib']:.2f}", "yes" if r["fits"] else "no"]
+                 f"{100 * r['gap']:.3f}%", _figure_or_dash(r, "step_s"), f"{r['param_gib']:.2f}",
+                 f"{r['state_gib']:.2f}", f"{r['peak_gib']:.2f}", _figure_or_dash(r, "weight_copies_gib"),
+                 f"{total:.2f} / {r['device_gib']:.2f}", "yes" if r["fits"] else "no"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     path.write_text("\n".join(lines) + "\n\n" + kept_notes(path))
+
+
+def _figure_or_dash(row: dict, key: str) -> str:
+    """Rows from before a column existed show a dash there."""
+    return f"{row[key]:.2f}" if key in row else "-"
 
 
 def main(argv: list[str] | None = None) -> int:

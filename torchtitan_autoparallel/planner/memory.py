@@ -73,6 +73,9 @@ class Peak:
     bytes: float
     at: str  # the graph node running at the peak
     parts: list[PeakPart]  # largest first; they add up to ``bytes``
+    # of ``bytes``: values computed from the parameters alone (cast or gathered weights
+    # kept for the backward), which a smaller batch does not shrink
+    weight_copy_bytes: float = 0.0
 
 
 @dataclass
@@ -104,7 +107,22 @@ def predicted_peak(
         if live + t.transient.get(i, 0.0) > peak:
             peak, at = live + t.transient.get(i, 0.0), i
         live -= frees.get(i, 0.0)
-    return Peak(peak, t.order[at].name, _parts_at(t, at, chosen))
+    copies = _weight_copies(traced)
+    weight_bytes = sum(
+        nbytes for owner, nbytes in t.size.items() if owner in copies and t.position[owner] <= at <= t.last_use[owner]
+    )
+    return Peak(peak, t.order[at].name, _parts_at(t, at, chosen), weight_bytes)
+
+
+def _weight_copies(traced: TracedStep) -> set[fx.Node]:
+    """Ops whose every input is a parameter or another such op: the casts, views and
+    transposes of weights that a plan may gather and keep for the backward."""
+    derived = set(traced.params.values())
+    for node in traced.graph.graph.nodes:
+        inputs = node.all_input_nodes
+        if node.op == "call_function" and inputs and all(a in derived for a in inputs):
+            derived.add(node)
+    return derived - set(traced.params.values())
 
 
 def _timeline(

@@ -126,6 +126,7 @@ def plan_from_solution(
         "param_bytes_per_device": float(problem.memory_used(x)),
         # An estimate from live tensor sizes; planner/memory.py says what it counts.
         "peak_activation_bytes_per_device": peak.bytes,
+        "peak_weight_copy_bytes_per_device": peak.weight_copy_bytes,  # of the peak above
     }
     return Plan(
         mesh={"names": list(mesh.names), "sizes": list(mesh.sizes)},

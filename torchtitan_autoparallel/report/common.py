@@ -141,6 +141,9 @@ class MemoryFit:
     # (planner/memory.py; 0 where the plan lacks it)
     activation_bytes: float
     device_bytes: float
+    # of activation_bytes: weights cast or gathered in the forward and kept for the backward
+    weight_copy_bytes: float = 0.0
+    shard_ranks: int = 1  # the mesh's data_parallel_shard size, over which weights gather
 
     @property
     def total_bytes(self) -> float:
@@ -158,7 +161,16 @@ class MemoryFit:
         )
 
     def message(self) -> str:
-        if self.activation_bytes > self.state_bytes:  # more devices would barely help
+        kept_weights = 2 * self.weight_copy_bytes > self.activation_bytes and self.shard_ranks > 1
+        if self.activation_bytes > self.state_bytes and kept_weights:
+            # Measured on LLaMA3-405B at 2048 ranks: FSDP 256 x TP 8 keeps 86 GiB of weight
+            # copies (a re-gather over 256 ranks prices dearer); HSDP 16 x 16 x TP 8 fits.
+            advice = (
+                f"most of the step's peak is weights kept for the backward ({fmt_bytes(self.weight_copy_bytes)}): "
+                f"the plan finds gathering them again over {self.shard_ranks} shard ranks dearer than keeping "
+                "them; shrink the shard group with HSDP (parallelism.data_parallel_replicate_degree > 1)"
+            )
+        elif self.activation_bytes > self.state_bytes:  # more devices would barely help
             advice = (
                 "the step's peak is most of it: lower training.local_batch_size "
                 "(training.global_batch_size keeps the batch by accumulating gradients) or "
@@ -188,7 +200,14 @@ def memory_fit(plan: Plan) -> MemoryFit | None:
     if not plan.device_memory_bytes:
         return None
     state = plan.param_bytes_per_device * (1 + ADAMW_STATE_COPIES)
-    return MemoryFit(state, peak_activation_bytes(plan) or 0.0, float(plan.device_memory_bytes))
+    sizes = dict(zip(plan.mesh["names"], plan.mesh["sizes"]))
+    return MemoryFit(
+        state,
+        peak_activation_bytes(plan) or 0.0,
+        float(plan.device_memory_bytes),
+        plan.predicted.get("peak_weight_copy_bytes_per_device", 0.0),
+        sizes.get("dp_shard", 1),
+    )
 
 
 def plan_warnings(plan: Plan, threshold_bytes: float) -> list[str]:
