@@ -163,7 +163,7 @@ class MemoryFit:
     def message(self) -> str:
         kept_weights = 2 * self.weight_copy_bytes > self.activation_bytes and self.shard_ranks > 1
         if self.activation_bytes > self.state_bytes and kept_weights:
-            # Measured on LLaMA3-405B at 2048 ranks: FSDP 256 x TP 8 keeps 86 GiB of weight
+            # Measured on LLaMA3-405B at 2048 ranks: FSDP 256 x TP 8 keeps 94 GiB of weight
             # copies (a re-gather over 256 ranks prices dearer); HSDP 16 x 16 x TP 8 fits.
             advice = (
                 f"most of the step's peak is weights kept for the backward ({fmt_bytes(self.weight_copy_bytes)}): "
