@@ -487,6 +487,25 @@ def test_optimality_check_with_overlap_is_flagged(overlap_on: str, warned: bool,
         assert err == ""
 
 
+@pytest.mark.parametrize("solver,large,hinted", [("ilp", True, True), ("ilp", False, False), ("auto", True, False)])
+def test_ilp_on_a_large_problem_names_the_quicker_solver(fake_world, monkeypatch, caplog, solver, large, hinted):
+    """The hint reads auto's own size rule (here made to call every problem large)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan_autoparallel.models.registry import build_meta_model
+    from torchtitan_autoparallel.planner.api import plan_stages
+    from torchtitan_autoparallel.planner.profiles import load_profile
+
+    if large:
+        monkeypatch.setattr(auto_module, "EXACT_MAX_ENTRIES", 0)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    with caplog.at_level(logging.INFO, logger="torchtitan_autoparallel.planner"):
+        plan_stages(build_meta_model("llama3", "debugmodel", n_layers=1), mesh, global_batch_size=2, seq_len=16,
+                    profile=load_profile("h100"), solver=solver)
+    hint = re.search(r"solver = ilp on a large problem \([\d,]+ pairwise entries > 0\): .* solver = auto", caplog.text)
+    assert bool(hint) == hinted, caplog.text[-2000:]
+
+
 # --- the debug model's real problem ------------------------------------------
 
 

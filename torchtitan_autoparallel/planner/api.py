@@ -22,9 +22,11 @@ from torchtitan_autoparallel.planner import pricer
 from torchtitan_autoparallel.planner.build import BuiltProblem, build_problem
 from torchtitan_autoparallel.planner.overlap import add_overlap_prediction, overlap_spec
 from torchtitan_autoparallel.planner.plan import Plan, plan_from_solution
+from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.profiles import HardwareProfile
 from torchtitan_autoparallel.planner.repeats import repeated_layer_ties
 from torchtitan_autoparallel.planner.solvers import get_solver, kernels
+from torchtitan_autoparallel.planner.solvers.auto import choose
 from torchtitan_autoparallel.planner.solvers.base import Solution
 from torchtitan_autoparallel.planner.solvers.overlap import overlap_solver
 from torchtitan_autoparallel.planner.strategy import enumerate_strategies
@@ -133,6 +135,8 @@ def plan_stages(
             return overlap_solver(solver, ilp_backend, spec, mip_gap=mip_gap).solve(
                 built.problem, time_limit_s
             )
+        if solver == "ilp":
+            _hint_when_exact_is_slow(built.problem)
         chosen = get_solver(solver, ilp_backend, optimality_check=optimality_check, mip_gap=mip_gap)
         return chosen.solve(built.problem, time_limit_s)
 
@@ -170,6 +174,16 @@ class _StageClock:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._start
+
+
+def _hint_when_exact_is_slow(problem: Problem) -> None:
+    """3-D meshes keep the exact ILP busy for minutes by default; say so, and what is quicker."""
+    choice, why = choose(problem)
+    if choice == "approx":
+        log.info(
+            "solver = ilp on a large problem (%s): the proof may take minutes; solver = auto "
+            "would plan it with approx in seconds, within a proven gap", why.split(":")[0]
+        )
 
 
 def _log_solution(solution: Solution, time_limit_s: float | None) -> None:
