@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from torch import fx
@@ -108,10 +108,15 @@ def predicted_peak(
             peak, at = live + t.transient.get(i, 0.0), i
         live -= frees.get(i, 0.0)
     copies = _weight_copies(traced)
-    weight_bytes = sum(
-        nbytes for owner, nbytes in t.size.items() if owner in copies and t.position[owner] <= at <= t.last_use[owner]
-    )
+    weight_bytes = sum(nbytes for owner, nbytes in _live_at(t, at) if owner in copies)
     return Peak(peak, t.order[at].name, _parts_at(t, at, chosen), weight_bytes)
+
+
+def _live_at(t: _Timeline, at: int) -> Iterator[tuple[fx.Node, float]]:
+    """The allocations live at graph position ``at``, with their bytes."""
+    for owner, nbytes in t.size.items():
+        if t.position[owner] <= at <= t.last_use[owner] and nbytes > 0:
+            yield owner, nbytes
 
 
 def _weight_copies(traced: TracedStep) -> set[fx.Node]:
@@ -156,11 +161,10 @@ def _timeline(
 
 def _parts_at(t: _Timeline, at: int, chosen: Mapping[fx.Node, Strategy]) -> list[PeakPart]:
     groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for owner, nbytes in t.size.items():
-        if t.position[owner] <= at <= t.last_use[owner] and nbytes > 0:
-            group = groups[_describe(owner, chosen.get(owner))]
-            group[0] += 1
-            group[1] += nbytes
+    for owner, nbytes in _live_at(t, at):
+        group = groups[_describe(owner, chosen.get(owner))]
+        group[0] += 1
+        group[1] += nbytes
     parts = sorted((PeakPart(w, int(c), b) for w, (c, b) in groups.items()), key=lambda p: -p.bytes)
     rest = parts[TOP_PARTS:]
     parts = parts[:TOP_PARTS]
