@@ -21,7 +21,7 @@ train: $(STAMP)
 	./run_train.sh --model.name llama3_auto_parallel
 
 test: $(STAMP) $(CHROMIUM)
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25 -n 2 --dist loadfile
 
 # tests/test_report.py renders plan.html in Debian's headless Chromium (~1.5 min to install).
 $(CHROMIUM):
