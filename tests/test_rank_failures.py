@@ -139,6 +139,14 @@ def test_root_cause_is_not_a_rank_the_agent_stopped(tmp_path: Path) -> None:
     assert failures.describe(0, killed, hidden=False) == f"rank 0 was killed by SIGKILL ({failures.KILLED_HINT})"
     stopped_line = failures.describe(0, stopped, hidden=False)
     assert stopped_line == "rank 0 was killed by SIGTERM", stopped_line  # no hint: the agent's own stop
+    # a rank that aborted (found: a heap corruption in a compiled step) and ranks the agent
+    # then stopped, all in the same second: the abort is the cause, not the lowest rank
+    aborted = _failure(tmp_path, 3, -6, None)
+    aborted.timestamp = stopped.timestamp
+    assert failures.root_cause({0: stopped, 3: aborted}) == (3, aborted)
+    assert failures.describe(3, aborted, hidden=True) == (
+        "rank 3 was killed by SIGABRT (its output is hidden: LOG_RANK=3 shows it)"
+    )
 
 
 def test_exit_2_without_a_message_is_named_as_a_failure(tmp_path: Path, capsys) -> None:

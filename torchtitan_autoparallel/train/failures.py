@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -81,8 +82,11 @@ def report_signal(signal_name: str, signum: int) -> int:
 def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
     """The rank that failed first. Ranks ended by a signal are only a root cause when
     nothing else failed: the agent stops every other rank with SIGTERM once one fails,
-    and error-file timestamps are whole seconds, so they tie with those ranks'."""
-    own = {r: f for r, f in failures.items() if f.exitcode >= 0} or failures
+    and error-file timestamps are whole seconds, so they tie with those ranks'. For the
+    same reason a rank that died of another signal (an abort, a segfault, the
+    out-of-memory killer's SIGKILL) comes before those the agent stopped."""
+    own = {r: f for r, f in failures.items() if f.exitcode >= 0}
+    own = own or {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
     return min(own.items(), key=lambda item: (item[1].timestamp, not _recorded(item[1]), item[0]))
 
 
