@@ -85,9 +85,15 @@ def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure
     and error-file timestamps are whole seconds, so they tie with those ranks'. For the
     same reason a rank that died of another signal (an abort, a segfault, the
     out-of-memory killer's SIGKILL) comes before those the agent stopped."""
-    own = {r: f for r, f in failures.items() if f.exitcode >= 0}
-    own = own or {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
-    return min(own.items(), key=lambda item: (item[1].timestamp, not _recorded(item[1]), item[0]))
+    return min(failures.items(), key=lambda item: (_stopped_by(item[1]), item[1].timestamp,
+                                                   not _recorded(item[1]), item[0]))
+
+
+def _stopped_by(failure: ProcessFailure) -> int:
+    """0: the rank exited itself; 1: a signal ended it; 2: the agent's SIGTERM did."""
+    if failure.exitcode >= 0:
+        return 0
+    return 2 if failure.exitcode == -signal.SIGTERM else 1
 
 
 def describe(rank: int, failure: ProcessFailure, hidden: bool) -> str:
