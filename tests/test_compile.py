@@ -45,7 +45,16 @@ def _log(name: str) -> str:
 @pytest.mark.parametrize(
     "model,says",
     [
-        ("llama3_auto_parallel", ["compile: inductor built the planned step", "compile: inductor built the loss-only graph"]),
+        (
+            "llama3_auto_parallel",
+            [
+                "compile: inductor built the planned step",
+                "compile: inductor built the loss-only graph",
+                # gloo: each collective finishes before the next op (execute/blocking.py)
+                "collectives of the planned step one at a time",
+                "collectives of the loss-only graph (validation) one at a time",
+            ],
+        ),
         ("llama3", ["Compiling each TransformerBlock", "compile: the loss function is compiled by inductor"]),
     ],
 )

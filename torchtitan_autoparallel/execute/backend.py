@@ -8,7 +8,8 @@ process groups, in the same order.
 
 The backend gets a copy without dead nodes: the CPU attention kernels,
 recorded in real mode, leave data-dependent ops (``nonzero``) that nothing
-reads, and a backend's fake-tensor pass refuses those. The traced graph itself
+reads, and a backend's fake-tensor pass refuses those. On gloo that copy's
+collectives are also made blocking (``blocking.py``). The traced graph itself
 is kept as it is for the plan check and for deriving the validation graph.
 """
 
@@ -21,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 from torch import fx
+
+from torchtitan_autoparallel.execute import blocking
 
 logger = logging.getLogger("torchtitan_autoparallel")
 
@@ -47,6 +50,9 @@ class BackendGraph:
         live = copy.deepcopy(self.graph)  # backends may rewrite the graph they are given
         live.graph.eliminate_dead_code()
         live.recompile()
+        if blocking.on_gloo():
+            n = blocking.make_blocking(live)
+            logger.info(f"compile: gloo runs {n} collectives of the {self.what} one at a time (execute/blocking.py)")
         try:
             compiled = lookup_backend(self.backend)(live, list(inputs))
         except Exception as e:
