@@ -15,7 +15,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.library import opcheck
 
-from torchtitan_autoparallel.execute.blocking import ASYNC_ENV, make_blocking, on_gloo
+from torchtitan_autoparallel.execute.blocking import ASYNC_ENV, make_blocking, needs_blocking
 
 c10d = torch.ops._c10d_functional
 
@@ -35,7 +35,7 @@ def _three_collectives(group: str):
 
 
 def test_each_collective_and_its_wait_become_one_blocking_call(gloo_one: str) -> None:
-    assert on_gloo()
+    assert needs_blocking()
     x, y = torch.randn(4, 3), torch.randn(3, 5)
     gm = make_fx(_three_collectives(gloo_one))(x, y)
     want = gm(x, y)[0]
@@ -74,10 +74,10 @@ def test_an_unknown_kind_is_a_clear_error(gloo_one: str) -> None:
 
 def test_blocking_is_for_gloo_and_can_be_turned_off(gloo_one: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ASYNC_ENV, raising=False)
-    assert on_gloo()
+    assert needs_blocking()
     monkeypatch.setenv(ASYNC_ENV, "1")
-    assert not on_gloo()
+    assert not needs_blocking()
 
 
 def test_no_process_group_means_no_rewrite() -> None:
-    assert not on_gloo()
+    assert not needs_blocking()

@@ -112,14 +112,12 @@ def write_markdown(results: dict, path: Path) -> None:
     for arm in ARMS:
         rows = [r for r in results["rows"] if r["arm"] == arm]
         bad = [r for r in rows if r["returncode"] != 0]
-        how = _how(bad)
         times = [r["s_per_step"] for r in rows if r["s_per_step"]]
+        median = f"{statistics.median(times):.3f}" if times else "-"
         losses = sorted({f"{r['last_loss']:.4f}" for r in rows if r["returncode"] == 0 and r["last_loss"]})
         lines.append(
-            f"| {arm} | {len(rows)} | {len(bad)} | {how} | {results['most_in_flight'][arm]} "
-            f"| {statistics.median(times):.3f} | {', '.join(losses) or '-'} |"
-            if times
-            else f"| {arm} | {len(rows)} | {len(bad)} | {how} | {results['most_in_flight'][arm]} | - | - |"
+            f"| {arm} | {len(rows)} | {len(bad)} | {_how(bad)} | {results['most_in_flight'][arm]} "
+            f"| {median} | {', '.join(losses) or '-'} |"
         )
     path.write_text("\n".join(lines) + "\n\n" + kept_notes(path))
 

@@ -50,7 +50,7 @@ class BackendGraph:
         live = copy.deepcopy(self.graph)  # backends may rewrite the graph they are given
         live.graph.eliminate_dead_code()
         live.recompile()
-        if blocking.on_gloo():
+        if blocking.needs_blocking():
             n = blocking.make_blocking(live)
             logger.info(f"compile: gloo runs {n} collectives of the {self.what} one at a time (execute/blocking.py)")
         try:

@@ -66,7 +66,7 @@ def _(x: torch.Tensor, kind: str, reduce_op: str, group_size: int, group_name: s
 ASYNC_ENV = "AUTOPARALLEL_GLOO_ASYNC"
 
 
-def on_gloo() -> bool:
+def needs_blocking() -> bool:
     """Whether a backend build here needs blocking collectives: this process's collectives
     run on gloo (our runtime uses one backend for all groups) and ``ASYNC_ENV`` is not 1."""
     if os.environ.get(ASYNC_ENV, "0") == "1":
