@@ -50,9 +50,9 @@ def _log(name: str) -> str:
             [
                 "compile: inductor built the planned step",
                 "compile: inductor built the loss-only graph",
-                # gloo: each collective finishes before the next op (execute/blocking.py)
-                "collectives of the planned step one at a time",
-                "collectives of the loss-only graph (validation) one at a time",
+                # gloo: one collective in flight at a time (execute/inflight.py)
+                "gloo keeps one collective of the planned step in flight at a time",
+                "gloo keeps one collective of the loss-only graph (validation) in flight at a time",
             ],
         ),
         ("llama3", ["Compiling each TransformerBlock", "compile: the loss function is compiled by inductor"]),

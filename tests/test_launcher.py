@@ -155,3 +155,12 @@ def test_fsdp_reshard_setting_of_a_planned_model_is_flagged(capsys) -> None:
     assert err.startswith("warning: parallelism.fsdp_reshard_after_forward = 'never' has no effect") and err.count("\n") == 1, err
     assert preflight.main([*argv[:-4], "--model.name", "llama3", "--parallelism.fsdp_reshard_after_forward", "never"]) == 0
     assert capsys.readouterr().err == ""  # torchtitan's FSDP reads it
+
+
+def test_unknown_gloo_collectives_mode_is_refused(tmp_path: Path) -> None:
+    run = run_launcher(
+        ["--model.name", "llama3_auto_parallel", "--job.dump_folder", str(tmp_path / "out")],
+        env={"AUTOPARALLEL_GLOO_COLLECTIVES": "overlapped"}, timeout=180,
+    )
+    assert_one_error_line(run, ["AUTOPARALLEL_GLOO_COLLECTIVES='overlapped'", "chained, blocking, async"])
+    assert not (tmp_path / "out").exists()

@@ -5,16 +5,18 @@ The Qwen3 debug model on 4 gloo ranks (FSDP 2 x TP 2, selective activation
 checkpointing, ``--compile.enable true``) is trained ``--runs`` times per
 arm, the arms alternating so that the machine's load falls on both alike:
 
-* ``async``: ``AUTOPARALLEL_GLOO_ASYNC=1``, Inductor's own schedule, which keeps
-  several collectives in flight at once (what the trainer did before
-  ``execute/blocking.py``);
-* ``blocking``: the default, each collective finished before the next op.
+* ``async``: Inductor's own schedule, which keeps several collectives in
+  flight at once (what the trainer did before ``execute/inflight.py``);
+* ``blocking``: each collective finished before the next op;
+* ``chained``: the default, each collective issued after the previous one's
+  wait and waited for where the graph waits: one in flight, overlapped.
+
+Each arm sets ``AUTOPARALLEL_GLOO_COLLECTIVES`` to its name.
 
 Per run: exit status, the launcher's line naming the rank that failed, the
 steps logged, the last loss and the median step time. Per arm: the most
 collectives in flight at once in the step Inductor generated (read from the
-generated code in that arm's ``TORCHINDUCTOR_CACHE_DIR``; 1 where every
-collective is blocking).
+generated code in that arm's ``TORCHINDUCTOR_CACHE_DIR``).
 
 Outputs: ``results.json`` and ``README.md`` beside this script.
 Reproduce: ``.venv/bin/python experiments/gloo_inflight/run.py [--runs 4]``.
@@ -30,6 +32,7 @@ import re
 import statistics
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -47,13 +50,17 @@ ARGS = [
     "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
     "--metrics.enable_tensorboard", "false",
 ]  # fmt: skip
-ARMS = {"async": "1", "blocking": "0"}  # arm -> AUTOPARALLEL_GLOO_ASYNC
-ISSUE = re.compile(r"^\s*(?:(buf\d+) = )?torch\.ops\._c10d_functional\.(?!wait_tensor)\w+\.default\((buf\d+)?")
+ARMS = ("async", "blocking", "chained")
+ISSUE = re.compile(
+    r"^\s*(?:(buf\d+) = )?torch\.ops\.(?:_c10d_functional\.(?!wait_tensor)\w+|autoparallel\.collective_after)"
+    r"\.default\((buf\d+)?"
+)
+NOW = "autoparallel.collective_now"
 WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)")
 
 
 def run_one(arm: str, cache: Path, out: Path) -> dict:
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "AUTOPARALLEL_GLOO_ASYNC": ARMS[arm]}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "AUTOPARALLEL_GLOO_COLLECTIVES": arm}
     run = run_launcher([*ARGS, "--job.dump_folder", str(out)], ngpu=4, config=QWEN3_CONFIG, env=env, timeout=1500)
     records = [r for r in read_metrics(out) if "loss" in r] if (out / "metrics.jsonl").exists() else []
     failed = [line.strip() for line in run.stderr.splitlines() if "was killed by" in line or "exited with" in line]
@@ -64,7 +71,7 @@ def run_one(arm: str, cache: Path, out: Path) -> dict:
         "steps": len(records),
         "last_loss": records[-1]["loss"] if records else None,
         "s_per_step": statistics.median(r["step_time_s"] for r in records[2:]) if len(records) > 2 else None,
-        "command": f"AUTOPARALLEL_GLOO_ASYNC={ARMS[arm]} {run.cmd}",
+        "command": f"AUTOPARALLEL_GLOO_COLLECTIVES={arm} {run.cmd}",
     }
 
 
@@ -73,7 +80,7 @@ def most_in_flight(cache: Path) -> int:
     most = 0
     for path in cache.rglob("*.py"):
         text = path.read_text(errors="replace")
-        if "collective_now" in text:
+        if NOW in text:
             most = max(most, 1)
         pending: set[str] = set()
         for line in text.splitlines():
@@ -123,13 +130,16 @@ def write_markdown(results: dict, path: Path) -> None:
 
 
 def _how(failed: list[dict]) -> str:
-    """'SIGABRT (ranks 1, 3)' from the launcher's lines 'rank N was killed by SIG...'."""
-    by_signal: dict[str, list[str]] = {}
+    """'SIGABRT (rank 0 x2, rank 3)' from the launcher's lines 'rank N was killed by SIG...'."""
+    by_signal: dict[str, Counter] = {}
     for r in failed:
         m = re.search(r"rank (\d+) was killed by (\w+)", r["failure"])
         signal, rank = (m.group(2), m.group(1)) if m else ("other", "?")
-        by_signal.setdefault(signal, []).append(rank)
-    return "; ".join(f"{s} (ranks {', '.join(sorted(ranks))})" for s, ranks in sorted(by_signal.items())) or "-"
+        by_signal.setdefault(signal, Counter())[rank] += 1
+    return "; ".join(
+        f"{s} ({', '.join(f'rank {r}' + (f' x{n}' if n > 1 else '') for r, n in sorted(ranks.items()))})"
+        for s, ranks in sorted(by_signal.items())
+    ) or "-"
 
 
 def main() -> int:

@@ -9,7 +9,7 @@ process groups, in the same order.
 The backend gets a copy without dead nodes: the CPU attention kernels,
 recorded in real mode, leave data-dependent ops (``nonzero``) that nothing
 reads, and a backend's fake-tensor pass refuses those. On gloo that copy's
-collectives are also made blocking (``blocking.py``). The traced graph itself
+collectives are also kept to one in flight (``inflight.py``). The traced graph itself
 is kept as it is for the plan check and for deriving the validation graph.
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
-from torchtitan_autoparallel.execute import blocking
+from torchtitan_autoparallel.execute import inflight
 
 logger = logging.getLogger("torchtitan_autoparallel")
 
@@ -50,9 +50,12 @@ class BackendGraph:
         live = copy.deepcopy(self.graph)  # backends may rewrite the graph they are given
         live.graph.eliminate_dead_code()
         live.recompile()
-        if blocking.needs_blocking():
-            n = blocking.make_blocking(live)
-            logger.info(f"compile: gloo runs {n} collectives of the {self.what} one at a time (execute/blocking.py)")
+        if mode := inflight.gloo_mode():
+            chained, blocking = inflight.one_in_flight(live, chained=mode == "chained")
+            logger.info(
+                f"compile: gloo keeps one collective of the {self.what} in flight at a time "
+                f"({chained} chained, {blocking} blocking; execute/inflight.py)"
+            )
         try:
             compiled = lookup_backend(self.backend)(live, list(inputs))
         except Exception as e:

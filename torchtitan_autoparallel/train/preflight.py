@@ -20,6 +20,7 @@ from torchtitan_autoparallel.errors import ConfigError, UserError
 
 def check(job: JobConfig, ngpu: int, fake: bool = False) -> None:
     """``fake``: the job runs with ``COMM_MODE=fake_backend``."""
+    from torchtitan_autoparallel.execute import inflight
     from torchtitan_autoparallel.models.registry import build_model_config, get_entry
     from torchtitan_autoparallel.train import checkpoint
     from torchtitan_autoparallel.train.setup import check_model_fits_mesh
@@ -30,6 +31,7 @@ def check(job: JobConfig, ngpu: int, fake: bool = False) -> None:
     check_model_fits_mesh(build_model_config(entry.family, job.model.flavor), degrees)
     if entry.auto_parallel:
         _check_cost_profile(job.autoparallel.cost_profile)
+        inflight.mode_from_env()
         check_planned_validation_shape(job)
         _warn_unused_fsdp_setting(job)
         _warn_unused_mip_gap(job)
