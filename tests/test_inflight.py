@@ -11,7 +11,10 @@
   next collective;
 * the ops' fake implementations give the shapes the real ones do;
 * only gloo gets the rewrite, ``AUTOPARALLEL_GLOO_COLLECTIVES`` picks the
-  way, and a bad value is a clear error.
+  way, and a bad value is a clear error;
+* ``queued`` rewrites nothing where every gloo group has one
+  worker thread (``cpu_compat.one_gloo_worker_thread``), and falls back to
+  ``chained`` on torch's two-thread groups.
 The backend path on 2 and 4 gloo ranks is ``test_compile``'s and
 ``experiments/gloo_inflight``'s.
 """
@@ -22,12 +25,20 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.library import opcheck
 
+from torchtitan_autoparallel.cpu_compat import one_gloo_worker_thread
 from torchtitan_autoparallel.errors import ConfigError
 from torchtitan_autoparallel.execute import inflight
-from torchtitan_autoparallel.execute.inflight import MODE_ENV, gloo_mode, mode_from_env, one_in_flight
+from torchtitan_autoparallel.execute.inflight import (
+    MODE_ENV,
+    gloo_groups_one_thread,
+    gloo_mode,
+    mode_from_env,
+    one_in_flight,
+)
 
 c10d = torch.ops._c10d_functional
 AFTER = "autoparallel.collective_after.default"
@@ -157,14 +168,59 @@ def test_an_unknown_kind_is_a_clear_error(gloo_one: str) -> None:
 
 def test_the_mode_is_for_gloo_and_comes_from_the_environment(gloo_one: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(MODE_ENV, raising=False)
+    assert mode_from_env() == "chained"
     assert gloo_mode() == "chained"
+    monkeypatch.setenv(MODE_ENV, "queued")
+    assert not gloo_groups_one_thread()  # torch's own gloo group: two worker threads
+    assert gloo_mode() == "chained"  # so queued falls back
     monkeypatch.setenv(MODE_ENV, "blocking")
     assert gloo_mode() == "blocking"
     monkeypatch.setenv(MODE_ENV, "async")
     assert gloo_mode() is None
     monkeypatch.setenv(MODE_ENV, "overlapped")
-    with pytest.raises(ConfigError, match=r"AUTOPARALLEL_GLOO_COLLECTIVES='overlapped' is not a mode; use one of chained"):
+    with pytest.raises(ConfigError, match=r"AUTOPARALLEL_GLOO_COLLECTIVES='overlapped' is not a mode; use one of chained, queued"):
         mode_from_env()
+
+
+@pytest.fixture
+def gloo_one_thread(tmp_path):
+    """A one-rank gloo group made after ``one_gloo_worker_thread``; torch's plugin restored after."""
+    plugins = dist.distributed_c10d.Backend._plugins
+    saved = dict(plugins)
+    if dist.is_initialized():
+        pytest.fail("a process group is already open in this process")
+    try:
+        plugins.pop("GLOO", None)  # as in a fresh process: torch registers gloo on first use
+        assert one_gloo_worker_thread()
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        plugins.clear()
+        plugins.update(saved)
+
+
+def test_queued_groups_have_one_worker_thread_and_keep_the_schedule(
+    gloo_one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(MODE_ENV, "queued")
+    sub = dist.new_group([0])
+    for group in (dist.group.WORLD, sub):
+        assert group._get_backend(torch.device("cpu")).options._threads == 1
+    assert gloo_groups_one_thread()
+    assert gloo_mode() == "queued"  # no rewrite: the group runs one collective at a time
+    xs = [torch.full((3,), float(i)) for i in range(8)]
+    issued = [c10d.all_reduce(x, "sum", sub.group_name) for x in xs]  # eight in flight on one group
+    assert all(torch.equal(c10d.wait_tensor(out), x) for out, x in zip(issued, xs))
+
+
+def test_without_torch_hooks_groups_keep_two_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = dist.distributed_c10d.Backend
+    before = dict(backend._plugins)
+    monkeypatch.delattr(backend, "_BackendPlugin")
+    assert one_gloo_worker_thread() is False
+    assert backend._plugins == before
 
 
 def test_no_process_group_means_no_rewrite() -> None:

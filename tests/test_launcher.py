@@ -162,5 +162,5 @@ def test_unknown_gloo_collectives_mode_is_refused(tmp_path: Path) -> None:
         ["--model.name", "llama3_auto_parallel", "--job.dump_folder", str(tmp_path / "out")],
         env={"AUTOPARALLEL_GLOO_COLLECTIVES": "overlapped"}, timeout=180,
     )
-    assert_one_error_line(run, ["AUTOPARALLEL_GLOO_COLLECTIVES='overlapped'", "chained, blocking, async"])
+    assert_one_error_line(run, ["AUTOPARALLEL_GLOO_COLLECTIVES='overlapped'", "chained, queued, blocking, async"])
     assert not (tmp_path / "out").exists()

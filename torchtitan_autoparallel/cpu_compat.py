@@ -15,6 +15,11 @@ drop when torchtitan fixes it upstream.
    about 0.5 s in every process, for a kernel the SDPA swap above never
    calls. ``import_model_module`` imports a model package with
    ``torch.compile`` deferred: the compile happens at the first call, if any.
+4. gloo: a gloo group runs its collectives on two worker threads, and two
+   collectives of one group running at once corrupt the heap now and then
+   under torch 2.14.1 (``experiments/gloo_inflight``). ``one_gloo_worker_thread``
+   gives each group one thread: its collectives run in issue order, still
+   asynchronously to the caller (``AUTOPARALLEL_GLOO_COLLECTIVES=queued``).
 """
 
 from __future__ import annotations
@@ -119,3 +124,41 @@ def keep_weight_tying_under_tp(model) -> None:
         return result
 
     model.parallelize = parallelize_and_retie
+
+
+def one_gloo_worker_thread() -> bool:
+    """Give every gloo process group created from now on one worker thread.
+
+    torch creates gloo groups through a registered backend plugin that ignores
+    the ``pg_options`` a caller passes, with two worker threads each; this
+    registers a plugin that builds the same group with one. The ``malloc():
+    unaligned tcache chunk`` aborts and SIGSEGVs of Inductor-built steps on
+    gloo came with two collectives of one group on its two threads at once (a
+    core dump caught both inside ``gloo::allgather``); with one thread per
+    group the same steps ran clean (``experiments/gloo_inflight``).
+    Returns False, changing nothing, where this torch lacks the private hooks.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    register = getattr(c10d.Backend, "_ensure_backend_registered", None)
+    if register is not None:  # torch registers its gloo plugin on first use
+        register("gloo")
+    plugin = getattr(c10d.Backend, "_BackendPlugin", None)
+    plugins = getattr(c10d.Backend, "_plugins", None)
+    gloo = getattr(c10d, "ProcessGroupGloo", None)
+    if plugin is None or not isinstance(plugins, dict) or "GLOO" not in plugins or gloo is None:
+        return False
+
+    def create(opts, backend_options):
+        options = gloo._Options()
+        options._timeout = opts.timeout
+        options._devices = [gloo.create_default_device()]
+        options._threads = 1
+        options.enable_reconfigure = opts.enable_reconfigure
+        group = gloo(opts.store, opts.group_rank, opts.group_size, options)
+        group.options.global_ranks_in_group = opts.global_ranks_in_group
+        group.options.group_name = opts.group_id
+        return group
+
+    plugins["GLOO"] = plugin(create, True)
+    return True

@@ -9,12 +9,15 @@ arm, the arms alternating so that the machine's load falls on both alike:
   flight at once (what the trainer did before ``execute/inflight.py``);
 * ``blocking``: each collective finished before the next op;
 * ``chained``: the default, each collective issued after the previous one's
-  wait and waited for where the graph waits: one in flight, overlapped.
+  wait and waited for where the graph waits: one in flight, overlapped;
+* ``queued``: Inductor's own schedule on gloo groups of one worker thread
+  each: a group runs its collectives one at a time.
 
 Each arm sets ``AUTOPARALLEL_GLOO_COLLECTIVES`` to its name.
 
 Per run: exit status, the launcher's line naming the rank that failed, the
-steps logged, the last loss and the median step time. Per arm: the most
+steps logged, the last loss, the median step time and the worker threads of
+its gloo groups (1 where the compile log says so). Per arm: the most
 collectives in flight at once in the step Inductor generated (read from the
 generated code in that arm's ``TORCHINDUCTOR_CACHE_DIR``).
 
@@ -50,12 +53,13 @@ ARGS = [
     "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
     "--metrics.enable_tensorboard", "false",
 ]  # fmt: skip
-ARMS = ("async", "blocking", "chained")
+ARMS = ("async", "blocking", "chained", "queued")
 ISSUE = re.compile(
     r"^\s*(?:(buf\d+) = )?torch\.ops\.(?:_c10d_functional\.(?!wait_tensor)\w+|autoparallel\.collective_after)"
     r"\.default\((buf\d+)?"
 )
 NOW = "autoparallel.collective_now"
+QUEUED_LOG = "one worker thread per group"  # backend.py's log line in queued mode
 WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)")
 
 
@@ -68,6 +72,7 @@ def run_one(arm: str, cache: Path, out: Path) -> dict:
         "arm": arm,
         "returncode": run.returncode,
         "failure": failed[0] if failed else "",
+        "gloo_threads": 1 if QUEUED_LOG in run.stdout + run.stderr else 2,
         "steps": len(records),
         "last_loss": records[-1]["loss"] if records else None,
         "s_per_step": statistics.median(r["step_time_s"] for r in records[2:]) if len(records) > 2 else None,
@@ -113,8 +118,9 @@ def write_markdown(results: dict, path: Path) -> None:
         f"4 gloo ranks (FSDP 2 x TP 2), selective AC, `--compile.enable true`, seq_len 64, {STEPS} steps.",
         "Arms alternate run by run. Reproduce: `.venv/bin/python experiments/gloo_inflight/run.py`.",
         "",
-        "| arm | runs | crashed | how | most collectives in flight | median s/step | last loss of full runs |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| arm | runs | crashed | how | gloo threads per group | most collectives in flight "
+        "| median s/step | last loss of full runs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for arm in ARMS:
         rows = [r for r in results["rows"] if r["arm"] == arm]
@@ -123,10 +129,14 @@ def write_markdown(results: dict, path: Path) -> None:
         median = f"{statistics.median(times):.3f}" if times else "-"
         losses = sorted({f"{r['last_loss']:.4f}" for r in rows if r["returncode"] == 0 and r["last_loss"]})
         lines.append(
-            f"| {arm} | {len(rows)} | {len(bad)} | {_how(bad)} | {results['most_in_flight'][arm]} "
+            f"| {arm} | {len(rows)} | {len(bad)} | {_how(bad)} | {_threads(rows)} | {results['most_in_flight'][arm]} "
             f"| {median} | {', '.join(losses) or '-'} |"
         )
     path.write_text("\n".join(lines) + "\n\n" + kept_notes(path))
+
+
+def _threads(rows: list[dict]) -> str:
+    return ", ".join(str(t) for t in sorted({r.get("gloo_threads", 2) for r in rows}))
 
 
 def _how(failed: list[dict]) -> str:

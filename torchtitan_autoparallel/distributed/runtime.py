@@ -17,7 +17,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from torchtitan_autoparallel.cpu_compat import point_torchtitan_at
+from torchtitan_autoparallel.cpu_compat import one_gloo_worker_thread, point_torchtitan_at
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,12 @@ def detect_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_runtime(comm_mode: str = "", timeout: timedelta | None = None) -> Runtime:
+def init_runtime(comm_mode: str = "", timeout: timedelta | None = None, one_gloo_thread: bool = False) -> Runtime:
     """Start the process group for this rank (torchrun sets RANK/WORLD_SIZE).
 
     ``timeout``: every collective's, until ``set_collective_timeout`` (None: torch's default).
+    ``one_gloo_thread``: gloo groups (this one and the device mesh's) get one worker
+    thread each (``cpu_compat.one_gloo_worker_thread``).
     """
     device_type = detect_device_type()
     point_torchtitan_at(device_type)
@@ -56,6 +58,8 @@ def init_runtime(comm_mode: str = "", timeout: timedelta | None = None) -> Runti
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+        if one_gloo_thread:
+            one_gloo_worker_thread()
     if "RANK" not in os.environ:  # a plain `python -m`: be a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))

@@ -8,8 +8,8 @@ process groups, in the same order.
 
 The backend gets a copy without dead nodes: the CPU attention kernels,
 recorded in real mode, leave data-dependent ops (``nonzero``) that nothing
-reads, and a backend's fake-tensor pass refuses those. On gloo that copy's
-collectives are also kept to one in flight (``inflight.py``). The traced graph itself
+reads, and a backend's fake-tensor pass refuses those. On gloo that copy keeps one
+collective in flight, or each group runs them one at a time (``inflight.py``). The traced graph itself
 is kept as it is for the plan check and for deriving the validation graph.
 """
 
@@ -50,7 +50,13 @@ class BackendGraph:
         live = copy.deepcopy(self.graph)  # backends may rewrite the graph they are given
         live.graph.eliminate_dead_code()
         live.recompile()
-        if mode := inflight.gloo_mode():
+        mode = inflight.gloo_mode()
+        if mode == "queued":
+            logger.info(
+                f"compile: gloo runs the collectives of the {self.what} one per group at a time, "
+                "in the backend's order (one worker thread per group; execute/inflight.py)"
+            )
+        elif mode:
             chained, blocking = inflight.one_in_flight(live, chained=mode == "chained")
             logger.info(
                 f"compile: gloo keeps one collective of the {self.what} in flight at a time "

@@ -1,14 +1,16 @@
-"""On gloo, a backend-built step keeps at most one collective in flight.
+"""On gloo, a backend-built step runs one collective of a group at a time.
 
 Inductor (``backend.py``) issues each functional collective as soon as its
 input is ready and waits for it only where its result is first read,
 whatever order ``overlap.py`` gave the graph: the Qwen3 debug model's
 FSDP 2 x TP 2 step keeps up to 5 collectives in flight at once, on both
-process groups. On gloo (torch 2.14.1) that corrupts a rank's heap now and
-then (``malloc(): unaligned tcache chunk detected``, SIGABRT; measured by
-``experiments/gloo_inflight``). The interpreted step never has two in
-flight (``overlap.py`` allows one) and never crashed. NCCL is built for many
-in flight, so only gloo builds are rewritten, in one of two ways:
+process groups. A gloo group (torch 2.14.1) runs its collectives on two
+worker threads, and two of one group running at once corrupt a rank's heap
+now and then (``malloc(): unaligned tcache chunk detected``, SIGABRT, or
+SIGSEGV; a core dump caught both threads of one group inside
+``gloo::allgather``; measured by ``experiments/gloo_inflight``). NCCL is
+built for many in flight, so only gloo builds are handled, in one of three
+ways (``MODE_ENV``):
 
 * ``chained`` (the default): each collective becomes an opaque
   ``autoparallel::collective_after`` that takes the previous collective's
@@ -20,11 +22,19 @@ in flight, so only gloo builds are rewritten, in one of two ways:
   buffer before the wait, while gloo still reads it.
 * ``blocking``: each collective and its wait become one
   ``autoparallel::collective_now``, which returns finished: no overlap.
+* ``queued``: nothing is rewritten. The trainer creates the gloo groups of
+  a planned model with one worker thread each
+  (``cpu_compat.one_gloo_worker_thread``), so a group runs its collectives
+  one at a time in issue order, still overlapping compute and each other
+  across groups, as Inductor scheduled them. Where a gloo group has more
+  than one thread (made elsewhere, or a torch without the hook), a build
+  falls back to ``chained``. Safe, but not measured faster than
+  ``chained`` (``experiments/gloo_inflight``).
 
-A collective that is the step's last, or whose wait comes after the next
-collective in the graph, is always made blocking, so one stays the most in
-flight. ``MODE_ENV`` picks the way, or ``async`` to leave Inductor's own
-schedule (to check a newer torch).
+In ``chained`` and ``blocking``, a collective that is the step's last, or whose wait comes
+after the next collective in the graph, is always made blocking, so one
+stays the most in flight. ``async`` leaves Inductor's own schedule on
+torch's two-thread groups (to check a newer torch).
 """
 
 from __future__ import annotations
@@ -48,7 +58,7 @@ _ARGS = {
 }
 
 MODE_ENV = "AUTOPARALLEL_GLOO_COLLECTIVES"
-MODES = ("chained", "blocking", "async")
+MODES = ("chained", "queued", "blocking", "async")
 
 # the private input copy of the chained collective in flight (see the module docstring)
 _IN_FLIGHT: list[torch.Tensor] = []
@@ -103,12 +113,30 @@ def mode_from_env() -> str:
 
 
 def gloo_mode() -> str | None:
-    """How a backend build here should order its collectives: ``chained`` or ``blocking``
-    on gloo (our runtime uses one backend for all groups), None where it needs no
-    rewrite (another backend, or ``async`` asked for)."""
+    """How a backend build here orders its collectives on gloo (our runtime uses one
+    backend for all groups): ``queued`` (no rewrite), ``chained`` or ``blocking``; None
+    where nothing is done (another backend, or ``async`` asked for)."""
     mode = mode_from_env()
     on_gloo = dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
-    return mode if on_gloo and mode != "async" else None
+    if not on_gloo or mode == "async":
+        return None
+    if mode == "queued" and not gloo_groups_one_thread():
+        return "chained"
+    return mode
+
+
+def gloo_groups_one_thread() -> bool:
+    """Whether every gloo group of this process runs on one worker thread."""
+    cpu = torch.device("cpu")
+    try:
+        threads = [
+            group._get_backend(cpu).options._threads
+            for group in dist.distributed_c10d._world.pg_map
+            if dist.get_backend(group) == "gloo"
+        ]
+    except (AttributeError, RuntimeError):  # private API: a torch without it gets chained
+        return False
+    return bool(threads) and all(t == 1 for t in threads)
 
 
 def one_in_flight(gm: fx.GraphModule, chained: bool) -> tuple[int, int]:

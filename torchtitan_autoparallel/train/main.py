@@ -77,7 +77,7 @@ def run(job: JobConfig) -> int:
     entry = get_entry(job.model.name)
     solve_s = job.autoparallel.time_limit_s if entry.auto_parallel else 0.0
     startup = startup_timeout(job.comm.init_timeout_seconds, solve_s)
-    runtime = init_runtime(os.environ.get("COMM_MODE", ""), startup)
+    runtime = init_runtime(os.environ.get("COMM_MODE", ""), startup, one_gloo_thread=_queued_gloo(entry))
     degrees = resolve_degrees(job, runtime.world_size)
     accumulation_steps(job, degrees)  # before planning: refuse a bad batch early
     if entry.auto_parallel:
@@ -99,6 +99,15 @@ def run(job: JobConfig) -> int:
     if entry.auto_parallel:
         return run_auto_parallel(job, runtime, entry.family, model_config, degrees)
     return run_manual(job, runtime, entry.family, model_config, degrees)
+
+
+def _queued_gloo(entry) -> bool:
+    """Whether a planned model's gloo groups get one worker thread (execute/inflight.py)."""
+    if not entry.auto_parallel:
+        return False
+    from torchtitan_autoparallel.execute.inflight import mode_from_env
+
+    return mode_from_env() == "queued"
 
 
 def run_auto_parallel(job: JobConfig, runtime: Runtime, family: str, model_config, degrees) -> int:
