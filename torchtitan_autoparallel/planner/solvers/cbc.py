@@ -61,11 +61,12 @@ class CbcILPSolver(_IlpSolver):
             with open(paths["log"], errors="replace") as f:
                 log_text = f.read()
             found = _read_solution(paths["sol"], model.num_col)
-        return self._outcome(model, exit_code, found, log_text)
+        out_of_time = time_limit is not None and time.perf_counter() - t0 >= time_limit
+        return self._outcome(model, exit_code, found, log_text, out_of_time)
 
     def _outcome(
         self, model: IlpModel, exit_code: int | None, found: tuple[str, np.ndarray | None] | None,
-        log_text: str,
+        log_text: str, out_of_time: bool = False,
     ) -> _Run:
         """Map CBC's exit, solution file and log onto a ``_Run``; never raises on a stop."""
         if exit_code is None or exit_code != 0 or found is None:
@@ -73,7 +74,8 @@ class CbcILPSolver(_IlpSolver):
             return _best_known(model, found, "time_limit" if exit_code is None else "feasible")
         head, values = found
         word = head.split()[0] if head.split() else ""
-        stopped = "Stopped on time" in log_text or word == "Stopped"
+        # preprocessing cut short by the clock says "infeasible" without "Stopped on time"
+        stopped = out_of_time or "Stopped on time" in log_text or word == "Stopped"
         if word == "Optimal" and values is not None:
             objective = float(model.col_cost @ values)
             if self.stops_early and "within gap tolerance" in head:  # the log has the bound
