@@ -1,6 +1,6 @@
 """Checkpoints of automatic plans: exact resume, resharding across plans and meshes, bad input.
 
-Per model, one uninterrupted run (automatic plan, 2 ranks FSDP, 4 steps)
+Per model (the debug model cut to two blocks), one uninterrupted run (automatic plan, 2 ranks FSDP, 4 steps)
 checkpoints at steps 2 and 4. Each resumed run starts from a copy of its step-2
 checkpoint under another plan or mesh, trains steps 3-4, and must log the
 uninterrupted run's losses and save a step-4 checkpoint holding the same
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _run import CONFIGS, RUNS, run_launcher, train
+from _run import CONFIGS, FEW_LAYERS, RUNS, run_launcher, train
 
 SEQ_LEN = 64
 GLOBAL_BATCH = 4
@@ -91,7 +91,7 @@ class Runs:
         name = auto(model) if automatic else ()
         return train(
             dump, *name, *overrides, *CKPT, model=model, ngpu=ngpu, steps=STEPS, seq_len=SEQ_LEN,
-            local_batch_size=GLOBAL_BATCH // dp,
+            local_batch_size=GLOBAL_BATCH // dp, n_layers=FEW_LAYERS,
         )
 
 
@@ -184,7 +184,8 @@ def _tree_digest(folder: Path) -> dict[str, str]:
 
 def _refusal_args(dump: Path, *overrides: str) -> list[str]:
     return ["--job.dump_folder", str(dump), *CKPT, *overrides, "--training.steps", str(STEPS),
-            "--training.seq_len", str(SEQ_LEN), "--metrics.enable_tensorboard", "false"]
+            "--training.seq_len", str(SEQ_LEN), "--metrics.enable_tensorboard", "false",
+            "--model.n_layers", str(FEW_LAYERS)]
 
 
 @pytest.mark.multirank
@@ -196,8 +197,8 @@ def test_checkpoint_of_another_model_is_refused_before_launch(runs: Runs, tmp_pa
     rc, out, err = run_launcher(_refusal_args(dump, *auto("qwen3")), ngpu=2, config=CONFIGS["qwen3"], timeout=300)
     assert rc != 0
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "holds model 'llama3:debugmodel'" in errors[0], err
-    assert "this run trains 'qwen3:debugmodel'" in errors[0]
+    assert len(errors) == 1 and f"holds model 'llama3:debugmodel:{FEW_LAYERS}layers'" in errors[0], err
+    assert f"this run trains 'qwen3:debugmodel:{FEW_LAYERS}layers'" in errors[0]
     assert "Traceback" not in out + err
     assert _tree_digest(dump) == before  # nothing written: no metrics, plan or checkpoint
 
@@ -206,7 +207,7 @@ def test_checkpoint_of_another_model_is_refused_before_launch(runs: Runs, tmp_pa
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (("--model.flavor", "1B"), "this run trains 'llama3:1B'"),
+        (("--model.flavor", "1B"), f"this run trains 'llama3:1B:{FEW_LAYERS}layers'"),
         (("--checkpoint.load_step", "3"), "no complete checkpoint"),
     ],
     ids=["other_flavor", "missing_step"],
@@ -297,3 +298,14 @@ def test_binding_a_plan_keeps_tied_weights_tied() -> None:
     assert model.lm_head.weight is planned["tok_embeddings.weight"]
     assert all(not t.is_meta for t in model.state_dict().values())
     assert len(list(model.parameters())) == len(planned)
+
+
+def test_a_cut_model_has_its_own_model_id() -> None:
+    """``model.n_layers`` changes the tensors a checkpoint holds, so it is part of the id;
+    the full depth keeps the id checkpoints have always had."""
+    from torchtitan_autoparallel.train import checkpoint
+
+    assert checkpoint.model_id("llama3", "debugmodel") == "llama3:debugmodel"
+    assert checkpoint.model_id("qwen3", "8B", 2) == "qwen3:8B:2layers"
+    for family, flavor, n_layers in (("llama3", "debugmodel", 0), ("qwen3", "8B", 2)):
+        assert checkpoint.parse_model_id(checkpoint.model_id(family, flavor, n_layers)) == (family, flavor, n_layers)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _run import train
+from _run import FEW_LAYERS, train
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.build import GRAD_EDGE
 from torchtitan_autoparallel.planner.trace import TracedStep, trace_training_step
@@ -280,7 +280,8 @@ def test_ac_needs_transformer_blocks():
 
 
 class Runs:
-    """Automatic-plan runs (llama3 debug model, 5 steps, global batch 4 x 64), made once per key."""
+    """Automatic-plan runs (llama3 debug model cut to two blocks, 5 steps, global batch 4 x 64),
+    made once per key."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -291,6 +292,7 @@ class Runs:
             self.cache[key] = train(
                 self.root / key, "--model.name", "llama3_auto_parallel", *overrides,
                 ngpu=ngpu, steps=STEPS, seq_len=SEQ_LEN, local_batch_size=GLOBAL_BATCH // (dp or ngpu),
+                n_layers=FEW_LAYERS,
             )  # fmt: skip
         return self.cache[key]
 

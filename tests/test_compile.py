@@ -1,6 +1,6 @@
 """``[compile]``: torch.compile on both paths, with torchtitan's keys.
 
-* end to end on 2 ranks: a planned model whose step (and validation graph) Inductor
+* end to end on 2 ranks (the debug model cut to two blocks): a planned model whose step (and validation graph) Inductor
   builds trains and validates to the losses of the same run uncompiled, to rounding;
   so does torchtitan's FSDP with its blocks and loss compiled;
 * the backend gets a copy of the step graph without its dead nodes (a fake-tensor
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from _run import LLAMA3_CONFIG, RUNS, RunCache
+from _run import FEW_LAYERS, LLAMA3_CONFIG, RUNS, RunCache
 from torchtitan_autoparallel.config import load_config
 from torchtitan_autoparallel.execute.backend import BackendGraph
 
@@ -28,7 +28,8 @@ COMPILE = ["--compile.enable", "true"]
 
 class Runs(RunCache):
     def run(self, name: str, *extra: str) -> list[dict]:
-        return self.get(name, *VALIDATE, *extra, model="llama3", ngpu=2, steps=STEPS, seq_len=64, local_batch_size=2)
+        return self.get(name, *VALIDATE, *extra, model="llama3", ngpu=2, steps=STEPS, seq_len=64, local_batch_size=2,
+                        n_layers=FEW_LAYERS)
 
 
 @pytest.fixture(scope="module")

@@ -76,10 +76,7 @@ MESHES = {
     "fsdp2_tp2": ("dp_shard=2,tp=2", ("--local-batch", "1", "--compile", "1")),
     # Qwen3 (grouped-query attention) with attention through the stand-ins a GPU runs.
     "qwen3_fsdp2_tp2_portable": ("dp_shard=2,tp=2", ("--family", "qwen3", "--portable-kernels", "1")),
-    # HSDP x TP, the trainer's 3-D mesh on 8 ranks: gradients reduce over two data-parallel
-    # dims and each rank feeds its slice of both. approx plans it in about a second where
-    # the ILP takes half a minute here, and its plan must run exactly like any other.
-    "hsdp2x2_tp2": ("dp_replicate=2,dp_shard=2,tp=2", ("--local-batch", "1", "--compile", "1", "--solver", "approx")),
+    # The 3-D mesh (HSDP x TP on 8 ranks) runs through the launcher in test_auto_parity.py.
 }
 
 

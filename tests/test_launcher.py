@@ -17,6 +17,7 @@ BAD_INPUTS = {
     "unknown_model": (1, None, ["--model.name", "gpt5"], ["model.name", "'gpt5'", "llama3", "qwen3"]),
     "unknown_flavor": (1, None, ["--model.flavor", "tiny"], ["model.flavor", "'tiny'", "debugmodel"]),
     "unknown_flavor_qwen3": (1, QWEN3_CONFIG, ["--model.flavor", "tiny"], ["model.flavor", "'tiny'", "qwen3", "debugmodel"]),
+    "n_layers_too_deep": (1, None, ["--model.n_layers", "7"], ["model.n_layers 7", "llama3 debugmodel", "1..6"]),
     "unknown_toml_key_cli": (1, None, ["--training.stepz", "3"], ["training.stepz", "known keys", "steps"]),
     "degrees_not_matching_ngpu": (
         2, None, ["--parallelism.data_parallel_shard_degree", "4"], ["shard 4", "NGPU=2"]

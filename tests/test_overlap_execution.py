@@ -259,3 +259,56 @@ def test_a_plan_made_with_overlap_trains_like_one_device(tmp_path_factory):
     for step, (got, ref) in enumerate(zip(result["losses"], want)):
         assert abs(got - ref) <= REL_TOL * abs(ref), f"step {step}: {got} vs {ref}"
     assert result["executed"] == result["expected"]
+
+
+def test_compiling_reuses_dtensors_sharding_cache_and_records_the_same_graph(fake_two, monkeypatch):
+    """Under a tracer DTensor re-derives each op's sharding uncached (a third of the
+    compile); compiled.py lets it use its cache, which in a real-mode trace changes no
+    live node of the recorded graph, and restores torch's method afterwards."""
+    import contextlib
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    from torchtitan_autoparallel.execute import compiled
+
+    uncached = []
+    original = ShardingPropagator.propagate_op_sharding_non_cached
+
+    def counting(self, schema):
+        uncached.append(schema.op)
+        return original(self, schema)
+
+    # The cache wraps the method it was built with, so only calls that bypass it are counted.
+    monkeypatch.setattr(ShardingPropagator, "propagate_op_sharding_non_cached", counting)
+    graphs = {}
+    for cached in (True, False):
+        if not cached:
+            monkeypatch.setattr(compiled, "cached_sharding_propagation", contextlib.nullcontext)
+        uncached.clear()
+        step, (tokens, labels) = _planned_fsdp_step()
+        step.compile(tokens, labels)
+        graphs[cached] = _live_nodes(step.local_graph)
+        if cached:
+            assert uncached == [], f"{len(uncached)} uncached propagations, e.g. {uncached[:3]}"
+            assert "propagate_op_sharding_non_cached" not in vars(DTensor._op_dispatcher.sharding_propagator)
+    assert uncached, "without the patch the traced dispatch propagates uncached (torch changed?)"
+    assert graphs[True] == graphs[False]
+
+
+def _live_nodes(gm) -> list[tuple[str, str, str]]:
+    """(target, arguments by position, shape) of each node that reaches the outputs."""
+    import copy
+
+    from torch import fx
+
+    gm = copy.deepcopy(gm)
+    gm.graph.eliminate_dead_code()
+    index: dict = {}
+    out = []
+    for i, n in enumerate(gm.graph.nodes):
+        index[n] = i
+        args = fx.node.map_arg((n.args, dict(n.kwargs)), lambda m: f"%{index[m]}")
+        val = n.meta.get("val")
+        out.append((str(n.target), repr(args), str(tuple(val.shape)) if isinstance(val, torch.Tensor) else ""))
+    return out

@@ -240,19 +240,20 @@ def test_a_plan_with_strided_shards_trains_like_one_device(tmp_path):
 
 @pytest.mark.multirank
 def test_launcher_job_with_strided_sharding_trains_like_one_rank(tmp_path):
-    """``--autoparallel.strided_sharding true`` through ./run_train.sh: LLaMA3 debug (6
-    layers), FSDP 2 x TP 2, local batch 3 x seq 512, 5 steps, against 1 rank at batch 6.
+    """``--autoparallel.strided_sharding true`` through ./run_train.sh: LLaMA3 debug cut to
+    2 blocks, FSDP 2 x TP 2, local batch 3 x seq 512, 3 steps, against 1 rank at batch 6.
     (At the auto-parity tests' batch 4 x seq 64 the planner picks no strided shard:
     the batch then splits over tp as well, which is as cheap.)"""
-    from _run import check_records, train
+    from _run import FEW_LAYERS, check_records, train
 
     tp = ("--parallelism.tensor_parallel_degree", "2")
     auto = train(
         tmp_path / "auto", "--model.name", "llama3_auto_parallel", *tp, "--autoparallel.strided_sharding", "true",
-        ngpu=4, steps=5, seq_len=512, local_batch_size=3, timeout=RUN_TIMEOUT_S,
+        ngpu=4, steps=3, seq_len=512, local_batch_size=3, timeout=RUN_TIMEOUT_S, n_layers=FEW_LAYERS,
     )  # fmt: skip
-    ref = train(tmp_path / "ref", ngpu=1, steps=5, seq_len=512, local_batch_size=6, timeout=RUN_TIMEOUT_S)
-    check_records(auto, 5)
+    ref = train(tmp_path / "ref", ngpu=1, steps=3, seq_len=512, local_batch_size=6, timeout=RUN_TIMEOUT_S,
+                n_layers=FEW_LAYERS)
+    check_records(auto, 3)
     assert [r["loss"] for r in auto] == pytest.approx([r["loss"] for r in ref], rel=REL_TOL)
     nodes = json.loads((tmp_path / "auto" / "plan.json").read_text())["nodes"]
     strided = {name: p for name, p in nodes.items() if "SS(" in json.dumps(p)}

@@ -22,6 +22,8 @@ class Job:
 class Model:
     name: str = "llama3"
     flavor: str = "debugmodel"  # torchtitan's flavors of the model: debugmodel, 1B, 8B, 70B, ...
+    # 0: the flavor's depth; N: only its first N transformer blocks (quick runs, planning studies)
+    n_layers: int = 0
     tokenizer_path: str = "default"  # a tokenizer.json or a folder holding one; default: the shipped one
 
 

@@ -19,6 +19,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -72,8 +73,30 @@ def trace_local_graph(planned: PlannedStep, tokens: DTensor, labels: DTensor) ->
     # FakeTensorMode captures the Python stack: half the trace's time on the debug
     # model. One shared mode gives the same graph and metadata.
     shared = TracingContext(FakeTensorMode(allow_fallback_kernels=True))
-    with torch.no_grad(), tracing(shared):
+    with torch.no_grad(), tracing(shared), cached_sharding_propagation():
         return make_fx(local_step, tracing_mode="real")(*(t.to_local() for t in templates))
+
+
+@contextmanager
+def cached_sharding_propagation():
+    """Let DTensor's dispatch reuse its sharding-propagation cache while we trace.
+
+    Under any tracer DTensor skips that cache (its keys are unsafe with symbolic
+    shapes) and re-derives every op's sharding, scoring each full-mesh strategy:
+    about a third of the compile on the debug model, repeated for ops the
+    interpreter has just asked the cached propagator about. This trace runs in
+    real mode, every shape a concrete int, so a cached answer is the answer.
+    """
+    prop = DTensor._op_dispatcher.sharding_propagator
+    cached = getattr(prop, "propagate_op_sharding", None)
+    if not callable(cached) or "propagate_op_sharding_non_cached" in vars(prop):
+        yield  # another torch layout, or already patched: trace uncached
+        return
+    prop.propagate_op_sharding_non_cached = cached  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del prop.propagate_op_sharding_non_cached
 
 
 def run_local_graph(planned: PlannedStep, tokens: DTensor, labels: DTensor, loss_only: bool = False) -> StepOutput:

@@ -66,7 +66,7 @@ def build_model_config(family: str, flavor: str, n_layers: int | None = None):
     """torchtitan's model config for ``family``/``flavor``, with CPU-capable attention.
 
     ``n_layers`` truncates the stack (planning benchmarks use 2 or 8 layers of
-    an 8B model); None keeps the flavor's depth.
+    an 8B model; ``model.n_layers``); None or 0 keeps the flavor's depth.
     """
     from torchtitan_autoparallel.cpu_compat import use_sdpa_attention
 
@@ -76,10 +76,11 @@ def build_model_config(family: str, flavor: str, n_layers: int | None = None):
             f"unknown model.flavor {flavor!r} for {family}; accepted: {', '.join(configs)}"
         )
     config = configs[flavor](attn_backend="flex")
-    if n_layers is not None:
+    if n_layers:
         if not 1 <= n_layers <= len(config.layers):
             raise ConfigError(
-                f"n_layers {n_layers} out of range; accepted: 1..{len(config.layers)}"
+                f"model.n_layers {n_layers} out of range for {family} {flavor}; "
+                f"accepted: 0 (all {len(config.layers)}) or 1..{len(config.layers)}"
             )
         config.layers = config.layers[:n_layers]
     use_sdpa_attention(config)

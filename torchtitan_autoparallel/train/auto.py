@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps
 from torchtitan_autoparallel.distributed.runtime import Runtime
 from torchtitan_autoparallel.errors import ConfigError, UserError
+from torchtitan_autoparallel.train import checkpoint
 from torchtitan_autoparallel.train.optim import build_lr_scheduler, build_optimizer
 from torchtitan_autoparallel.train.setup import (
     Training,
@@ -78,7 +79,7 @@ def _cache_settings(job: JobConfig) -> dict:
     """What a plan depends on beyond the traced graph and the planner arguments."""
     a = job.autoparallel
     return {
-        "model": {"name": job.model.name, "flavor": job.model.flavor},
+        "model": {"name": job.model.name, "flavor": job.model.flavor, "n_layers": job.model.n_layers},
         "knobs": {
             "overlap": a.overlap,
             "strided_sharding": a.strided_sharding,
@@ -300,7 +301,7 @@ def build_auto_training(
         job=job,
         runtime=runtime,
         model=model,
-        model_id=f"{family}:{job.model.flavor}",
+        model_id=checkpoint.model_id(family, job.model.flavor, job.model.n_layers),
         optimizer=optimizer,
         scheduler=build_lr_scheduler(optimizer, t.steps, job.lr_scheduler),
         dataloader=build_data(job, model_config, dp_rank, dp_degree),

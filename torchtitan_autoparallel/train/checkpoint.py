@@ -47,10 +47,16 @@ class CheckpointError(UserError):
     pass
 
 
-def model_id(family: str, flavor: str) -> str:
+def model_id(family: str, flavor: str, n_layers: int = 0) -> str:
     """What a checkpoint must match to load: hand-written and automatic runs of
-    one family and flavor share it (same tensors under the same FQNs)."""
-    return f"{family}:{flavor}"
+    one family, flavor and depth share it (same tensors under the same FQNs)."""
+    return f"{family}:{flavor}" + (f":{n_layers}layers" if n_layers else "")
+
+
+def parse_model_id(text: str) -> tuple[str, str, int]:
+    """``model_id``'s (family, flavor, n_layers) back from its text."""
+    family, flavor, *depth = text.split(":")
+    return family, flavor, int(depth[0].removesuffix("layers")) if depth else 0
 
 
 def job_folder(job) -> Path:
@@ -76,7 +82,7 @@ def initial_load_path(job) -> Path | None:
 def check_resume(job, family: str) -> None:
     """Refuse, before any rank starts, a checkpoint this run could not load."""
     step = step_to_load(job)
-    wanted = model_id(family, job.model.flavor)
+    wanted = model_id(family, job.model.flavor, job.model.n_layers)
     if step is not None:
         read_train_state(job_folder(job), step, wanted)
     elif (path := initial_load_path(job)) is not None:

@@ -82,7 +82,7 @@ def run(job: JobConfig) -> int:
     accumulation_steps(job, degrees)  # before planning: refuse a bad batch early
     if entry.auto_parallel:
         check_planned_validation_shape(job)
-    model_config = build_model_config(entry.family, job.model.flavor)
+    model_config = build_model_config(entry.family, job.model.flavor, job.model.n_layers)
     check_model_fits_mesh(model_config, degrees)
     checkpoint.check_resume(job, entry.family)  # before planning: refuse early, write nothing
     if runtime.rank == 0:
@@ -239,7 +239,7 @@ def _hf_adapter(job: JobConfig):
     from torchtitan_autoparallel.train import hf_checkpoint
 
     family = get_entry(job.model.name).family
-    return hf_checkpoint.adapter(family, build_model_config(family, job.model.flavor))
+    return hf_checkpoint.adapter(family, build_model_config(family, job.model.flavor, job.model.n_layers))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def check(job: JobConfig, ngpu: int, fake: bool = False) -> None:
     degrees = resolve_degrees(job, ngpu)
     accumulation_steps(job, degrees)
     entry = get_entry(job.model.name)
-    check_model_fits_mesh(build_model_config(entry.family, job.model.flavor), degrees)
+    check_model_fits_mesh(build_model_config(entry.family, job.model.flavor, job.model.n_layers), degrees)
     if entry.auto_parallel:
         _check_cost_profile(job.autoparallel.cost_profile)
         inflight.mode_from_env()

@@ -20,6 +20,7 @@ from torchtitan_autoparallel.models.parallelize import (
     build_parallel_dims,
     prepare_model_config,
 )
+from torchtitan_autoparallel.train import checkpoint
 from torchtitan_autoparallel.train.loss import build_loss_fn, cross_entropy_loss
 from torchtitan_autoparallel.train.metrics import MetricsLogger, resolve_peak
 from torchtitan_autoparallel.train.optim import build_lr_scheduler, build_optimizer
@@ -145,7 +146,7 @@ def build_training(
         job=job,
         runtime=runtime,
         model=model,
-        model_id=f"{family}:{job.model.flavor}",
+        model_id=checkpoint.model_id(family, job.model.flavor, job.model.n_layers),
         dp_degree=dp_degree,
         dp_group=dp_group,
         n_params=n_params,

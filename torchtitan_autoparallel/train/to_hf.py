@@ -33,7 +33,7 @@ def convert(checkpoint_dir: Path, out_dir: Path, dtype: torch.dtype) -> Path:
 
     from torchtitan_autoparallel.models.registry import build_model_config
     from torchtitan_autoparallel.train import hf_checkpoint
-    from torchtitan_autoparallel.train.checkpoint import CheckpointError
+    from torchtitan_autoparallel.train.checkpoint import CheckpointError, parse_model_id
 
     state_file = checkpoint_dir / "train_state.json"
     if not state_file.is_file():
@@ -44,8 +44,8 @@ def convert(checkpoint_dir: Path, out_dir: Path, dtype: torch.dtype) -> Path:
     state = json.loads(state_file.read_text())
     if state.get("format") == "hf":
         raise CheckpointError(f"{str(checkpoint_dir)!r} holds Hugging Face safetensors already")
-    family, flavor = state["model_id"].split(":", 1)
-    config = build_model_config(family, flavor)
+    family, flavor, n_layers = parse_model_id(state["model_id"])
+    config = build_model_config(family, flavor, n_layers)
     with torch.device("meta"):
         model = config.build()
     model.to_empty(device="cpu")
