@@ -141,14 +141,17 @@ def train(
 
 
 class RunCache:
-    """Training runs made once per test module and shared between its tests, keyed by name."""
+    """Training runs made once per test module and shared between its tests, keyed by name;
+    ``n_layers``: ``train``'s, for every run unless a call says otherwise."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, n_layers: int = 0) -> None:
         self.root = root
+        self.n_layers = n_layers
         self.cache: dict[str, list[dict]] = {}
 
     def get(self, key: str, *overrides: str, **kwargs) -> list[dict]:
         if key not in self.cache:
+            kwargs.setdefault("n_layers", self.n_layers)
             self.cache[key] = train(self.root / key, *overrides, **kwargs)
         return self.cache[key]
 

@@ -50,7 +50,7 @@ CASES = [("llama3", p) for p in PLANS] + [("qwen3", "fsdp_tp"), ("qwen3", "hsdp"
 class Runs(RunCache):
     def reference(self, model: str) -> list[dict]:
         return self.get(f"{model}-ref", model=model, ngpu=1, steps=STEPS, seq_len=SEQ_LEN,
-                        local_batch_size=GLOBAL_BATCH, n_layers=FEW_LAYERS)
+                        local_batch_size=GLOBAL_BATCH)
 
     def auto(self, model: str, plan: str) -> list[dict]:
         ngpu, extra, mesh = PLANS[plan]
@@ -58,13 +58,12 @@ class Runs(RunCache):
         return self.get(
             f"{model}-auto_{plan}", "--model.name", f"{model}_auto_parallel", *extra,
             model=model, ngpu=ngpu, steps=STEPS, seq_len=SEQ_LEN, local_batch_size=GLOBAL_BATCH // dp,
-            n_layers=FEW_LAYERS,
         )
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("auto"))
+    return Runs(tmp_path_factory.mktemp("auto"), n_layers=FEW_LAYERS)
 
 
 @pytest.mark.parametrize("model,plan", CASES)
@@ -88,7 +87,7 @@ def test_auto_parallel_gradient_accumulation_matches_one_rank(runs: Runs) -> Non
     got = runs.get(
         "llama3-auto_fsdp_accumulate", "--model.name", "llama3_auto_parallel",
         "--training.global_batch_size", str(GLOBAL_BATCH),
-        model="llama3", ngpu=2, steps=STEPS, seq_len=SEQ_LEN, local_batch_size=1, n_layers=FEW_LAYERS,
+        model="llama3", ngpu=2, steps=STEPS, seq_len=SEQ_LEN, local_batch_size=1,
     )
     check_records(got, STEPS)
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=LOSS_REL)

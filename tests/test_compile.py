@@ -28,13 +28,12 @@ COMPILE = ["--compile.enable", "true"]
 
 class Runs(RunCache):
     def run(self, name: str, *extra: str) -> list[dict]:
-        return self.get(name, *VALIDATE, *extra, model="llama3", ngpu=2, steps=STEPS, seq_len=64, local_batch_size=2,
-                        n_layers=FEW_LAYERS)
+        return self.get(name, *VALIDATE, *extra, model="llama3", ngpu=2, steps=STEPS, seq_len=64, local_batch_size=2)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("compile"))
+    return Runs(tmp_path_factory.mktemp("compile"), n_layers=FEW_LAYERS)
 
 
 def _log(name: str) -> str:

@@ -47,11 +47,6 @@ LONG_STEPS = 4
 
 
 class Runs(RunCache):
-    """Runs of the debug models cut to two blocks, as every run here but the default job's."""
-
-    def get(self, key: str, *overrides: str, **kwargs) -> list[dict]:
-        return super().get(key, *overrides, n_layers=FEW_LAYERS, **kwargs)
-
     def reference(self, model: str) -> list[dict]:
         steps = LONG_STEPS if model == "llama3" else STEPS
         return self.get(f"{model}-ref", model=model, ngpu=1, steps=steps, seq_len=SEQ_LEN, local_batch_size=GLOBAL_BATCH)
@@ -67,7 +62,7 @@ class Runs(RunCache):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("train"))
+    return Runs(tmp_path_factory.mktemp("train"), n_layers=FEW_LAYERS)
 
 
 # qwen3's hand-written plans are torchtitan's own; its 2-D one stands for the rest.

@@ -301,7 +301,7 @@ def build_auto_training(
         job=job,
         runtime=runtime,
         model=model,
-        model_id=checkpoint.model_id(family, job.model.flavor, job.model.n_layers),
+        model_id=checkpoint.job_model_id(job, family),
         optimizer=optimizer,
         scheduler=build_lr_scheduler(optimizer, t.steps, job.lr_scheduler),
         dataloader=build_data(job, model_config, dp_rank, dp_degree),

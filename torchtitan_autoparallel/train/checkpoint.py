@@ -53,6 +53,11 @@ def model_id(family: str, flavor: str, n_layers: int = 0) -> str:
     return f"{family}:{flavor}" + (f":{n_layers}layers" if n_layers else "")
 
 
+def job_model_id(job, family: str) -> str:
+    """``model_id`` of the model ``job`` trains."""
+    return model_id(family, job.model.flavor, job.model.n_layers)
+
+
 def parse_model_id(text: str) -> tuple[str, str, int]:
     """``model_id``'s (family, flavor, n_layers) back from its text."""
     family, flavor, *depth = text.split(":")
@@ -82,7 +87,7 @@ def initial_load_path(job) -> Path | None:
 def check_resume(job, family: str) -> None:
     """Refuse, before any rank starts, a checkpoint this run could not load."""
     step = step_to_load(job)
-    wanted = model_id(family, job.model.flavor, job.model.n_layers)
+    wanted = job_model_id(job, family)
     if step is not None:
         read_train_state(job_folder(job), step, wanted)
     elif (path := initial_load_path(job)) is not None:

@@ -146,7 +146,7 @@ def build_training(
         job=job,
         runtime=runtime,
         model=model,
-        model_id=checkpoint.model_id(family, job.model.flavor, job.model.n_layers),
+        model_id=checkpoint.job_model_id(job, family),
         dp_degree=dp_degree,
         dp_group=dp_group,
         n_params=n_params,
