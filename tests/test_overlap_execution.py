@@ -284,14 +284,16 @@ def test_compiling_reuses_dtensors_sharding_cache_and_records_the_same_graph(fak
     graphs = {}
     for cached in (True, False):
         if not cached:
-            monkeypatch.setattr(compiled, "cached_sharding_propagation", contextlib.nullcontext)
+            monkeypatch.setattr(compiled, "sharding_propagation_for_trace", contextlib.nullcontext)
         uncached.clear()
         step, (tokens, labels) = _planned_fsdp_step()
         step.compile(tokens, labels)
         graphs[cached] = _live_nodes(step.local_graph)
         if cached:
             assert uncached == [], f"{len(uncached)} uncached propagations, e.g. {uncached[:3]}"
-            assert "propagate_op_sharding_non_cached" not in vars(DTensor._op_dispatcher.sharding_propagator)
+            prop = DTensor._op_dispatcher.sharding_propagator
+            assert "propagate_op_sharding_non_cached" not in vars(prop)
+            assert type(prop.propagate_op_sharding).__name__ == "LocalLRUCache"  # torch's cache is back
     assert uncached, "without the patch the traced dispatch propagates uncached (torch changed?)"
     assert graphs[True] == graphs[False]
 

@@ -4,7 +4,8 @@ The planning tests run in this process on a fake process group. The
 multi-rank tests launch torchrun on gloo: this file's ``__main__`` checks
 every redistribution between a list of placements on a 2x2 mesh (values and
 collective counts), and ``execute.parity`` trains a plan that uses strided
-shards against one device.
+shards against one device. With ``--compile-arms`` the ``__main__`` instead
+compiles a strided plan in a fresh process, as torch traces and as we do.
 """
 
 from __future__ import annotations
@@ -238,6 +239,29 @@ def test_a_plan_with_strided_shards_trains_like_one_device(tmp_path):
         assert abs(got - ref) <= REL_TOL * abs(ref), f"step {step}: {got} vs {ref}"
 
 
+def test_compiling_a_strided_plan_records_no_sharding_bookkeeping(tmp_path):
+    """DTensor sizes ``_StridedShard`` chunks with index tensors while it prices a
+    redistribution; traced as torch does, those dead ops swell the recorded step (and
+    every step ran them). ``compiled.sharding_propagation_for_trace`` keeps them out
+    without changing a live node. A fresh process: DTensor's caches must start cold."""
+    out = tmp_path / "arms.json"
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__)), "--compile-arms", "--out", str(out)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=REPO,
+    )  # fmt: skip
+    if not out.exists():
+        pytest.fail(f"no result (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    arms = json.loads(out.read_text())
+    torch_arm, ours = arms["torch"], arms["patched"]
+    for arm, a in (("torch", torch_arm), ("patched", ours)):
+        print(f"\n{arm}: {a['recorded']} nodes recorded, {len(a['live'])} live, {a['dead_index_ops']} dead index ops")
+    assert arms["strided_nodes"] > 0
+    assert torch_arm["dead_index_ops"] > 100, "torch no longer records its bookkeeping: is the patch still needed?"
+    assert ours["dead_index_ops"] == 0
+    assert ours["live"] == torch_arm["live"]
+    assert ours["recorded"] < torch_arm["recorded"] / 5
+
+
 @pytest.mark.multirank
 def test_launcher_job_with_strided_sharding_trains_like_one_rank(tmp_path):
     """``--autoparallel.strided_sharding true`` through ./run_train.sh: LLaMA3 debug cut to
@@ -345,5 +369,57 @@ def _dtensor_alone(mesh, shape) -> str:
     return f"{label(src)} -> {label(dst)} is {'right' if right else 'WRONG'}"
 
 
+def _compile_arms_main(out: str) -> None:
+    """Compile one strided plan (LLaMA3 debug, 1 block, 2x2, batch 6 x 512) as torch
+    traces, then with ``sharding_propagation_for_trace``; what each recorded."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchtitan_autoparallel.execute import compiled
+    from torchtitan_autoparallel.execute.parity import ParityConfig, batch, full_model
+    from torchtitan_autoparallel.execute.pipeline import plan_and_build
+    from torchtitan_autoparallel.execute.step import FullValues
+    from torchtitan_autoparallel.models.registry import build_meta_model
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    cfg = ParityConfig(layers=1, batch=6, seq_len=512)
+    full = full_model(cfg)
+    planned = plan_and_build(
+        build_meta_model(cfg.family, "debugmodel", n_layers=cfg.layers),
+        init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp")),
+        lambda plan: FullValues.of(full),
+        global_batch_size=cfg.batch, seq_len=cfg.seq_len, profile=load_profile("cpu_gloo"), strided_sharding=True,
+    )  # fmt: skip
+    step = planned.step
+    report: dict = {"strided_nodes": len(_strided(list(step.chosen.values())))}
+    tokens, labels = batch(cfg, 0, full.tok_embeddings.weight.shape[0])
+    ours = compiled.sharding_propagation_for_trace
+    for arm in ("torch", "patched"):  # torch's first, while DTensor's caches are cold
+        compiled.sharding_propagation_for_trace = ours if arm == "patched" else contextlib.nullcontext
+        step.compile(tokens, labels)
+        report[arm] = _recorded(step.local_graph)
+    Path(out).write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def _recorded(gm) -> dict:
+    """Node count, live nodes as (target, shape), and dead arange/split nodes of a graph."""
+    import copy
+
+    live_gm = copy.deepcopy(gm)
+    live_gm.graph.eliminate_dead_code()
+    live = [(str(n.target), str(getattr(n.meta.get("val"), "shape", ""))) for n in live_gm.graph.nodes]
+    kept = {n.name for n in live_gm.graph.nodes}
+    index_ops = (aten.arange.default, aten.split.Tensor)
+    dead = sum(1 for n in gm.graph.nodes if n.name not in kept and n.target in index_ops)
+    return {"recorded": len(gm.graph.nodes), "live": live, "dead_index_ops": dead}
+
+
 if __name__ == "__main__":
-    _pairs_main(sys.argv[sys.argv.index("--out") + 1])
+    if "--compile-arms" in sys.argv:
+        _compile_arms_main(sys.argv[sys.argv.index("--out") + 1])
+    else:
+        _pairs_main(sys.argv[sys.argv.index("--out") + 1])

@@ -27,7 +27,7 @@ from torch import fx
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 
 from torchtitan_autoparallel.execute.step import PlannedStep, StepOutput
 
@@ -73,30 +73,47 @@ def trace_local_graph(planned: PlannedStep, tokens: DTensor, labels: DTensor) ->
     # FakeTensorMode captures the Python stack: half the trace's time on the debug
     # model. One shared mode gives the same graph and metadata.
     shared = TracingContext(FakeTensorMode(allow_fallback_kernels=True))
-    with torch.no_grad(), tracing(shared), cached_sharding_propagation():
+    with torch.no_grad(), tracing(shared), sharding_propagation_for_trace():
         return make_fx(local_step, tracing_mode="real")(*(t.to_local() for t in templates))
 
 
 @contextmanager
-def cached_sharding_propagation():
-    """Let DTensor's dispatch reuse its sharding-propagation cache while we trace.
+def sharding_propagation_for_trace():
+    """DTensor's sharding propagation while we trace: cached, and kept out of the recording.
 
-    Under any tracer DTensor skips that cache (its keys are unsafe with symbolic
-    shapes) and re-derives every op's sharding, scoring each full-mesh strategy:
-    about a third of the compile on the debug model, repeated for ops the
-    interpreter has just asked the cached propagator about. This trace runs in
-    real mode, every shape a concrete int, so a cached answer is the answer.
+    Under any tracer DTensor skips its sharding-propagation cache (its keys are
+    unsafe with symbolic shapes) and re-derives every op's sharding, scoring
+    each full-mesh strategy: about a third of the compile on the debug model,
+    repeated for ops the interpreter has just asked the cached propagator
+    about. This trace runs in real mode, every shape a concrete int, so a
+    cached answer is the answer.
+
+    A propagation's own tensor work is bookkeeping, not the step: pricing a
+    ``_StridedShard`` sizes its local shards with ``arange``/``split`` index
+    tensors, and make_fx recorded those dead ops into the graph (24,548 nodes
+    instead of 1,185 on a 2-block strided plan on 4 ranks: a 10x longer compile,
+    and every step ran them). With proxy tracing off during propagation they
+    run eagerly and are not recorded.
     """
     prop = DTensor._op_dispatcher.sharding_propagator
     cached = getattr(prop, "propagate_op_sharding", None)
     if not callable(cached) or "propagate_op_sharding_non_cached" in vars(prop):
-        yield  # another torch layout, or already patched: trace uncached
+        yield  # another torch layout, or already patched: trace as torch does
         return
-    prop.propagate_op_sharding_non_cached = cached  # an instance attribute shadows the method
+
+    def untraced(*args, **kwargs):
+        with disable_proxy_modes_tracing():
+            return cached(*args, **kwargs)
+
+    # instance attributes shadow the method and replace the cache object; the cache
+    # itself keeps the method it bound when it was made, so no call loops back here
+    prop.propagate_op_sharding_non_cached = untraced
+    prop.propagate_op_sharding = untraced
     try:
         yield
     finally:
         del prop.propagate_op_sharding_non_cached
+        prop.propagate_op_sharding = cached
 
 
 def run_local_graph(planned: PlannedStep, tokens: DTensor, labels: DTensor, loss_only: bool = False) -> StepOutput:
