@@ -90,10 +90,10 @@ def sharding_propagation_for_trace():
 
     A propagation's own tensor work is bookkeeping, not the step: pricing a
     ``_StridedShard`` sizes its local shards with ``arange``/``split`` index
-    tensors, and make_fx recorded those dead ops into the graph (24,548 nodes
-    instead of 1,185 on a 2-block strided plan on 4 ranks: a 10x longer compile,
-    and every step ran them). With proxy tracing off during propagation they
-    run eagerly and are not recorded.
+    tensors, and make_fx recorded those dead ops into the graph (11,159 nodes
+    instead of 956 on a 2-block strided plan, a 3x longer compile, and every
+    step ran them: experiments/startup/compile_trace.md). With proxy tracing
+    off during propagation they run eagerly and are not recorded.
     """
     prop = DTensor._op_dispatcher.sharding_propagator
     cached = getattr(prop, "propagate_op_sharding", None)
