@@ -84,10 +84,7 @@ def fsdp_bf16():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from torchtitan_autoparallel.execute.parity import ParityConfig, batch, full_model
-    from torchtitan_autoparallel.execute.pipeline import plan_and_build
-    from torchtitan_autoparallel.execute.step import FullValues
-    from torchtitan_autoparallel.planner.profiles import load_profile
+    from torchtitan_autoparallel.execute.parity import ParityConfig, batch, full_model, plan_parity
 
     owned = not dist.is_initialized()
     if owned:
@@ -98,12 +95,7 @@ def fsdp_bf16():
         cfg = ParityConfig(batch=16, seq_len=128)
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
         full = full_model(cfg)
-        planned = plan_and_build(
-            build_meta_model("llama3", "debugmodel", n_layers=cfg.layers), mesh,
-            lambda plan: FullValues.of(full),
-            global_batch_size=cfg.batch, seq_len=cfg.seq_len, profile=load_profile("cpu_gloo"),
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-        )  # fmt: skip
+        planned = plan_parity(cfg, mesh, full, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         recorder = _CollectiveDtypes()
         with recorder:
             out = planned.step.run_graph(*planned.step.distribute_batch(*batch(cfg, 0, 2048)))

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from _graphs import live_graph, node_signatures
 from torchtitan_autoparallel.execute.compiled import graph_collectives
 from torchtitan_autoparallel.execute.overlap import is_collective, is_wait, schedule_overlap
 
@@ -152,22 +153,11 @@ def fake_two():
 def _planned_fsdp_step():
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchtitan_autoparallel.execute.parity import ParityConfig, batch, full_model
-    from torchtitan_autoparallel.execute.pipeline import plan_and_build
-    from torchtitan_autoparallel.execute.step import FullValues
-    from torchtitan_autoparallel.models.registry import build_meta_model
-    from torchtitan_autoparallel.planner.profiles import load_profile
+    from torchtitan_autoparallel.execute.parity import ParityConfig, batch, full_model, plan_parity
 
     cfg = ParityConfig()
     full = full_model(cfg)
-    planned = plan_and_build(
-        build_meta_model(cfg.family, "debugmodel", n_layers=cfg.layers),
-        init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",)),
-        lambda plan: FullValues.of(full),
-        global_batch_size=cfg.batch,
-        seq_len=cfg.seq_len,
-        profile=load_profile("cpu_gloo"),
-    )
+    planned = plan_parity(cfg, init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",)), full)
     return planned.step, batch(cfg, 0, full.tok_embeddings.weight.shape[0])
 
 
@@ -288,7 +278,7 @@ def test_compiling_reuses_dtensors_sharding_cache_and_records_the_same_graph(fak
         step, (tokens, labels) = _planned_fsdp_step()
         uncached.clear()  # the compile's calls only: building the step may propagate uncached once per process
         step.compile(tokens, labels)
-        graphs[cached] = _live_nodes(step.local_graph)
+        graphs[cached] = node_signatures(live_graph(step.local_graph))
         if cached:
             assert uncached == [], f"{len(uncached)} uncached propagations, e.g. {uncached[:3]}"
             prop = DTensor._op_dispatcher.sharding_propagator
@@ -297,20 +287,3 @@ def test_compiling_reuses_dtensors_sharding_cache_and_records_the_same_graph(fak
     assert uncached, "without the patch the traced dispatch propagates uncached (torch changed?)"
     assert graphs[True] == graphs[False]
 
-
-def _live_nodes(gm) -> list[tuple[str, str, str]]:
-    """(target, arguments by position, shape) of each node that reaches the outputs."""
-    import copy
-
-    from torch import fx
-
-    gm = copy.deepcopy(gm)
-    gm.graph.eliminate_dead_code()
-    index: dict = {}
-    out = []
-    for i, n in enumerate(gm.graph.nodes):
-        index[n] = i
-        args = fx.node.map_arg((n.args, dict(n.kwargs)), lambda m: f"%{index[m]}")
-        val = n.meta.get("val")
-        out.append((str(n.target), repr(args), str(tuple(val.shape)) if isinstance(val, torch.Tensor) else ""))
-    return out

@@ -379,20 +379,12 @@ def _compile_arms_main(out: str) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from torchtitan_autoparallel.execute import compiled
-    from torchtitan_autoparallel.execute.parity import ParityConfig, batch, full_model
-    from torchtitan_autoparallel.execute.pipeline import plan_and_build
-    from torchtitan_autoparallel.execute.step import FullValues
-    from torchtitan_autoparallel.models.registry import build_meta_model
+    from torchtitan_autoparallel.execute.parity import ParityConfig, batch, full_model, plan_parity
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    cfg = ParityConfig(layers=1, batch=6, seq_len=512)
+    cfg = ParityConfig(layers=1, batch=6, seq_len=512, strided_sharding=1)
     full = full_model(cfg)
-    planned = plan_and_build(
-        build_meta_model(cfg.family, "debugmodel", n_layers=cfg.layers),
-        init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp")),
-        lambda plan: FullValues.of(full),
-        global_batch_size=cfg.batch, seq_len=cfg.seq_len, profile=load_profile("cpu_gloo"), strided_sharding=True,
-    )  # fmt: skip
+    planned = plan_parity(cfg, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp")), full)
     step = planned.step
     report: dict = {"strided_nodes": len(_strided(list(step.chosen.values())))}
     tokens, labels = batch(cfg, 0, full.tok_embeddings.weight.shape[0])
@@ -406,16 +398,14 @@ def _compile_arms_main(out: str) -> None:
 
 
 def _recorded(gm) -> dict:
-    """Node count, live nodes as (target, shape), and dead arange/split nodes of a graph."""
-    import copy
+    """Node count, live nodes' signatures, and dead arange/split nodes of a graph."""
+    from _graphs import live_graph, node_signatures
 
-    live_gm = copy.deepcopy(gm)
-    live_gm.graph.eliminate_dead_code()
-    live = [(str(n.target), str(getattr(n.meta.get("val"), "shape", ""))) for n in live_gm.graph.nodes]
-    kept = {n.name for n in live_gm.graph.nodes}
+    live = live_graph(gm)
+    kept = {n.name for n in live.graph.nodes}
     index_ops = (aten.arange.default, aten.split.Tensor)
     dead = sum(1 for n in gm.graph.nodes if n.name not in kept and n.target in index_ops)
-    return {"recorded": len(gm.graph.nodes), "live": live, "dead_index_ops": dead}
+    return {"recorded": len(gm.graph.nodes), "live": node_signatures(live), "dead_index_ops": dead}
 
 
 if __name__ == "__main__":

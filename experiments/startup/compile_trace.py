@@ -45,27 +45,15 @@ def measure(case: str, arm: str) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from torchtitan_autoparallel.execute import compiled
-    from torchtitan_autoparallel.execute.parity import ParityConfig, batch, full_model
-    from torchtitan_autoparallel.execute.pipeline import plan_and_build
-    from torchtitan_autoparallel.execute.step import FullValues
-    from torchtitan_autoparallel.models.registry import build_meta_model
-    from torchtitan_autoparallel.planner.profiles import load_profile
+    from torchtitan_autoparallel.execute.parity import ParityConfig, batch, full_model, plan_parity
 
     if arm == "torch":
         compiled.sharding_propagation_for_trace = contextlib.nullcontext
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     layers, global_batch, seq_len, strided = CASES[case]
-    cfg = ParityConfig(layers=layers, batch=global_batch, seq_len=seq_len)
+    cfg = ParityConfig(layers=layers, batch=global_batch, seq_len=seq_len, strided_sharding=int(strided))
     full = full_model(cfg)
-    planned = plan_and_build(
-        build_meta_model(cfg.family, "debugmodel", n_layers=cfg.layers),
-        init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp")),
-        lambda plan: FullValues.of(full),
-        global_batch_size=cfg.batch,
-        seq_len=cfg.seq_len,
-        profile=load_profile("cpu_gloo"),
-        strided_sharding=strided,
-    )
+    planned = plan_parity(cfg, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp")), full)
     tokens, labels = batch(cfg, 0, full.tok_embeddings.weight.shape[0])
     start = time.perf_counter()
     planned.step.compile(tokens, labels)

@@ -110,6 +110,29 @@ def reference_losses(cfg: ParityConfig) -> list[float]:
     return losses
 
 
+def plan_parity(cfg: ParityConfig, mesh, full: nn.Module, layers: int | None = None, **planner_kwargs):
+    """``cfg``'s model (``layers`` blocks, default ``cfg.layers``) planned on ``mesh`` and
+    placed with ``full``'s values: ``pipeline.plan_and_build``'s result."""
+    from torchtitan_autoparallel.execute.pipeline import plan_and_build
+    from torchtitan_autoparallel.execute.step import FullValues
+    from torchtitan_autoparallel.models.registry import build_meta_model
+    from torchtitan_autoparallel.planner.profiles import load_profile
+
+    return plan_and_build(
+        build_meta_model(cfg.family, "debugmodel", n_layers=cfg.layers if layers is None else layers),
+        mesh,
+        lambda plan: FullValues.of(full),
+        global_batch_size=cfg.batch,
+        seq_len=cfg.seq_len,
+        profile=load_profile("h100" if mesh.device_type == "cuda" else "cpu_gloo"),
+        portable_kernels=bool(cfg.portable_kernels),
+        strided_sharding=bool(cfg.strided_sharding),
+        overlap=bool(cfg.plan_overlap),
+        solver=cfg.solver,
+        **planner_kwargs,
+    )
+
+
 # ---------------------------------------------------------------- the distributed side
 
 
@@ -119,28 +142,14 @@ def run_planned(
     """Plan, place and train on the current process group; every rank returns the same result."""
     from torchtitan_autoparallel.execute.audit import audit
     from torchtitan_autoparallel.execute.optim import build_adamw, optimizer_step
-    from torchtitan_autoparallel.execute.pipeline import plan_and_build
-    from torchtitan_autoparallel.execute.step import FullValues
     from torchtitan_autoparallel.models.registry import build_meta_model
-    from torchtitan_autoparallel.planner.profiles import load_profile
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
     full = full_model(cfg)
     # --mismatch: rank 1 traces one layer fewer, to show the agreement check fires.
     layers = cfg.layers - 1 if mismatch and dist.get_rank() == 1 else cfg.layers
-    planned = plan_and_build(
-        build_meta_model(cfg.family, "debugmodel", n_layers=layers),
-        mesh,
-        lambda plan: FullValues.of(full),
-        global_batch_size=cfg.batch,
-        seq_len=cfg.seq_len,
-        profile=load_profile("h100" if device_type == "cuda" else "cpu_gloo"),
-        portable_kernels=bool(cfg.portable_kernels),
-        strided_sharding=bool(cfg.strided_sharding),
-        overlap=bool(cfg.plan_overlap),
-        solver=cfg.solver,
-    )
+    planned = plan_parity(cfg, mesh, full, layers)
     step = planned.step
     result = ParityResult(losses=[], grad_norms=[], plan_timings=dict(planned.plan.timings))
     result.strided_nodes = _strided_nodes(planned)
