@@ -29,6 +29,8 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     )
     assert run.returncode == 0, run.tail()
     assert "sharding plan on mesh dp_shard=4 x tp=2" in run.stdout + run.stderr, run.tail()
+    # torch's default float32 matmul precision: an H100's FP32 cores, not TF32
+    assert "cost profile h100, fp32 matmuls at 67 TFLOP/s peak" in run.stdout + run.stderr, run.tail()
     return folder / "plan.json", problem
 
 
@@ -47,6 +49,21 @@ def test_plan_json_has_the_documented_fields(dry_run) -> None:
     assert all(len(p) == 2 for p in plan["parameters"].values())
     # The default budget shards every weight over the data-parallel axis.
     assert all(p[0].startswith("S(") for p in plan["parameters"].values())
+
+
+def test_tf32_matmuls_are_planned_at_tf32_rates(dry_run, tmp_path: Path) -> None:
+    """``training.float32_matmul_precision = high``: the same dry run, its fp32 matmuls
+    priced on TF32 tensor cores (494.7 TFLOP/s peak against 67), so less compute."""
+    run = run_launcher(
+        ["--model.name", "llama3_auto_parallel", "--job.dump_folder", tmp_path,
+         "--parallelism.tensor_parallel_degree", "2", "--training.float32_matmul_precision", "high"],
+        ngpu=8, comm_mode="fake_backend",
+    )
+    assert run.returncode == 0, run.tail()
+    assert "cost profile h100, fp32 matmuls at 494.7 TFLOP/s peak" in run.stdout + run.stderr, run.tail()
+    strict = json.loads(dry_run[0].read_text())["predicted"]["compute_us"]
+    tf32 = json.loads((tmp_path / "plan.json").read_text())["predicted"]["compute_us"]
+    assert tf32 < strict, (tf32, strict)
 
 
 def test_exported_problem_resolves_to_the_same_objective_with_cbc(dry_run) -> None:

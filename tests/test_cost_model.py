@@ -28,6 +28,7 @@ from torchtitan_autoparallel.planner.profiles import (
     HardwareProfile,
     Link,
     default_profile_name,
+    for_matmul_precision,
     load_profile,
 )
 
@@ -204,6 +205,42 @@ def test_unknown_profile_message() -> None:
     msg = str(err.value)
     assert "\n" not in msg and "tpu_v9" in msg and ".json" in msg
     assert all(name in msg for name in ("h100", "a100", "cpu_gloo"))
+
+
+@pytest.fixture
+def matmul_precision():
+    """Sets torch's float32 matmul precision for one test, then restores it."""
+    before = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(before)
+
+
+def test_fp32_matmuls_are_priced_at_the_precision_torch_runs_them(matmul_precision) -> None:
+    """At torch's default ("highest") fp32 matmuls run on an H100's FP32 cores (67 TFLOP/s
+    peak, 52 measured); TF32 (494.7) only where the precision allows it."""
+    strict = load_profile("h100")
+    tf32 = for_matmul_precision(strict, "high")
+    assert strict.peak_tflops["float32"] == pytest.approx(67.0)
+    ratio = compute_time_us(1e15, 0.0, torch.float32, strict) / compute_time_us(1e15, 0.0, torch.float32, tf32)
+    assert ratio == pytest.approx(494.7 / 67.0, rel=1e-4)
+    assert compute_time_us(1e12, 0.0, torch.bfloat16, tf32) == compute_time_us(1e12, 0.0, torch.bfloat16, strict)
+    matmul_precision("high")
+    assert load_profile("h100") == tf32 and hash(load_profile("h100")) != hash(strict)  # plan-cache keys differ
+    assert load_profile("cpu_gloo") == BUILTIN_PROFILES["cpu_gloo"]  # no TF32 rate: unchanged
+    matmul_precision("highest")
+    assert load_profile("h100") == strict
+
+
+def test_the_mfu_peak_follows_the_matmul_precision(monkeypatch, matmul_precision) -> None:
+    from torchtitan_autoparallel.train.metrics import resolve_peak
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    gpu = torch.device("cuda", 0)
+    assert resolve_peak(None, gpu, "float32").tflops == pytest.approx(67.0)
+    assert resolve_peak(None, gpu, "bfloat16").tflops == pytest.approx(989.0)
+    matmul_precision("high")
+    assert resolve_peak(None, gpu, "float32").tflops == pytest.approx(494.0)
+    assert "tf32" in resolve_peak(None, gpu, "float32").source
 
 
 def test_builtin_profiles_and_defaults() -> None:

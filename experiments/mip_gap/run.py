@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from _run import run_launcher  # noqa: E402
 
 QWEN3 = REPO / "train_configs" / "qwen3_debugmodel.toml"
-SHAPE = ["--training.seq_len", "2048", "--training.local_batch_size", "1"]
+# fp32 matmuls at TF32 rates, as when the committed tables were measured (docs/cost_model.md)
+SHAPE = ["--training.seq_len", "2048", "--training.local_batch_size", "1", "--training.float32_matmul_precision", "high"]
 MESH_8X8 = ["--parallelism.tensor_parallel_degree", "8"]
 MESH_8X8X8 = ["--parallelism.data_parallel_replicate_degree", "8", *MESH_8X8]
 
@@ -111,7 +112,7 @@ def write_readme(results: dict) -> None:
         "# mip_gap: planning time against the proven gap",
         "",
         f"Measured on {platform.node()} ({platform.machine()}, {os.cpu_count()} cores), "
-        f"{results['date']}, H100 cost profile, fake process group, sequence 2048, one sample per "
+        f"{results['date']}, H100 cost profile (fp32 matmuls at TF32 rates), fake process group, sequence 2048, one sample per "
         "data-parallel rank. Each row is one launcher run (`COMM_MODE=fake_backend`, plan cache "
         "off); its command is under `command` in `results.json`. Reproduce: "
         "`.venv/bin/python experiments/mip_gap/run.py`.",

@@ -106,7 +106,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.api import plan_training_step
-from torchtitan_autoparallel.planner.profiles import load_profile
+# fp32 matmuls at TF32 rates, as when the committed tables were measured (docs/cost_model.md)
+from torchtitan_autoparallel.planner.profiles import for_matmul_precision, load_profile
 c = json.loads(sys.argv[1])
 world = 1
 for s in c["mesh_sizes"]:
@@ -115,7 +116,7 @@ dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 mesh = init_device_mesh("cpu", tuple(c["mesh_sizes"]), mesh_dim_names=tuple(c["mesh_names"]))
 model = build_meta_model(c["family"], c["flavor"], c["n_layers"])
 plan = plan_training_step(model, mesh, global_batch_size=c["local_batch"] * c["dp"], seq_len=c["seq_len"],
-                          profile=load_profile("h100"), time_limit_s=c["time_limit_s"])
+                          profile=for_matmul_precision(load_profile("h100"), "high"), time_limit_s=c["time_limit_s"])
 print("RESULT " + json.dumps({
     "timings": plan.timings, "objective_us": plan.objective, "lower_bound_us": plan.lower_bound,
     "solver": plan.solver, "status": plan.status, "predicted": plan.predicted,

@@ -58,7 +58,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtitan_autoparallel.execute.placements import chosen_strategies
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.api import plan_stages
-from torchtitan_autoparallel.planner.profiles import load_profile
+# fp32 matmuls at TF32 rates, as when the committed tables were measured (docs/cost_model.md)
+from torchtitan_autoparallel.planner.profiles import for_matmul_precision, load_profile
 from torchtitan_autoparallel.planner.strided import has_strided
 from torch.distributed.tensor.placement_types import _StridedShard
 c = json.loads(sys.argv[1])
@@ -69,7 +70,7 @@ dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 mesh = init_device_mesh("cpu", tuple(c["mesh_sizes"]), mesh_dim_names=("dp_shard", "tp"))
 model = build_meta_model("llama3", c["flavor"], c["n_layers"])
 st = plan_stages(model, mesh, global_batch_size=c["local_batch"] * c["mesh_sizes"][0], seq_len=c["seq_len"],
-                 profile=load_profile(c["profile"]), time_limit_s=c["time_limit_s"],
+                 profile=for_matmul_precision(load_profile(c["profile"]), "high"), time_limit_s=c["time_limit_s"],
                  strided_sharding=c["strided"])
 chosen = chosen_strategies(st.built, st.solution)
 strided = {n: s for n, s in chosen.items() if any(map(has_strided, (*s.outputs, *s.inputs)))}

@@ -43,6 +43,7 @@ def validate(c: JobConfig) -> None:
     _at_least("training.max_norm", t.max_norm, 0)
     _choice("training.mixed_precision_param", t.mixed_precision_param, DTYPES)
     _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ("float32",))
+    _choice("training.float32_matmul_precision", t.float32_matmul_precision, ("highest", "high", "medium"))
     _validate_parallelism(c)
     _choice("optimizer.name", c.optimizer.name, OPTIMIZERS)
     _at_least("optimizer.lr", c.optimizer.lr, 0)

@@ -103,7 +103,8 @@ def plan_stages(
     """
     clock = _StageClock()
     names = tuple(mesh.mesh_dim_names or ())
-    log.info("planning on mesh %s %s, batch %d x %d", names, tuple(mesh.mesh.shape), global_batch_size, seq_len)
+    log.info("planning on mesh %s %s, batch %d x %d; cost profile %s, fp32 matmuls at %g TFLOP/s peak",
+             names, tuple(mesh.mesh.shape), global_batch_size, seq_len, profile.name, profile.peak_tflops["float32"])
     traced = trace_training_step(
         model,
         global_batch_size,

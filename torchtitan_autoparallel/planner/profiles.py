@@ -8,11 +8,16 @@ A profile is a frozen, hashable value so cost functions can be memoised on it.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 PEAK_DTYPES = ("float32", "bfloat16", "float16")
+# Optional peak_tflops key: float32 matmuls on TF32 tensor cores, which torch uses only
+# when ``torch.set_float32_matmul_precision`` is "high" or "medium" (see load_profile).
+TF32 = "tf32"
 # Fields with a default of 0, so that profiles saved before they existed still load.
 _OPTIONAL_FIELDS = (
     "host_us_per_node", "alloc_us_per_byte", "optimizer_us_per_tensor", "optimizer_us_per_element",
@@ -42,7 +47,7 @@ class Link:
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
-    peak_tflops: dict[str, float]  # dense peak per dtype, keys PEAK_DTYPES
+    peak_tflops: dict[str, float]  # dense peak per dtype, keys PEAK_DTYPES (and optionally TF32)
     mem_bandwidth_GBps: float
     devices_per_node: int
     intra_node: Link
@@ -123,12 +128,12 @@ class HardwareProfile:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-# H100 SXM5: fp32 matmuls are priced at dense TF32 (494.7), assuming float32
-# matmul precision "high"; without TF32 they would reach only the 67 TFLOP/s
-# of the fp32 CUDA cores.  Sources: docs/cost_model.md.
+# H100 SXM5: fp32 matmuls run on the FP32 cores (67) at torch's default precision and
+# on TF32 tensor cores (494.7) only when the precision allows it; on an H100 here they
+# ran at 52 and 375-401 TFLOP/s (experiments/gpu).  Sources: docs/cost_model.md.
 _H100 = HardwareProfile(
     name="h100",
-    peak_tflops={"float32": 494.7, "bfloat16": 989.4, "float16": 989.4},
+    peak_tflops={"float32": 67.0, TF32: 494.7, "bfloat16": 989.4, "float16": 989.4},
     mem_bandwidth_GBps=3350.0,
     devices_per_node=8,
     intra_node=Link(latency_us=3.0, bandwidth_GBps=450.0),  # NVLink4, 900 GB/s bidir
@@ -140,7 +145,7 @@ _H100 = HardwareProfile(
 
 _A100 = HardwareProfile(
     name="a100",
-    peak_tflops={"float32": 156.0, "bfloat16": 312.0, "float16": 312.0},
+    peak_tflops={"float32": 19.5, TF32: 156.0, "bfloat16": 312.0, "float16": 312.0},
     mem_bandwidth_GBps=2039.0,
     devices_per_node=8,
     intra_node=Link(latency_us=3.0, bandwidth_GBps=300.0),  # NVLink3, 600 GB/s bidir
@@ -169,17 +174,31 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (_H100, _A100
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
-    """A built-in profile by name, or a profile saved with ``HardwareProfile.to_json``."""
+    """A built-in profile by name, or a profile saved with ``HardwareProfile.to_json``,
+    pricing float32 matmuls as torch's current ``float32_matmul_precision`` runs them."""
     key = str(name_or_path)
     if key in BUILTIN_PROFILES:
-        return BUILTIN_PROFILES[key]
+        return for_matmul_precision(BUILTIN_PROFILES[key])
     path = Path(key)
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise ValueError(f"hardware profile file {key!r} does not exist")
-        return HardwareProfile.from_json(path)
+        return for_matmul_precision(HardwareProfile.from_json(path))
     names = ", ".join(sorted(BUILTIN_PROFILES))
     raise ValueError(f"unknown hardware profile {key!r}: use one of {names} or a path to a .json profile")
+
+
+def for_matmul_precision(profile: HardwareProfile, precision: str | None = None) -> HardwareProfile:
+    """``profile`` with float32 matmuls at its TF32 rate where ``precision`` (default: torch's
+    current setting) lets them use TF32, as "high" and "medium" do; else ``profile`` itself.
+
+    The trainer keeps torch's default, "highest"; a run that sets another precision before
+    planning gets plans priced as its matmuls will run.
+    """
+    precision = precision or torch.get_float32_matmul_precision()
+    if precision == "highest" or TF32 not in profile.peak_tflops:
+        return profile
+    return replace(profile, peak_tflops={**profile.peak_tflops, "float32": profile.peak_tflops[TF32]})
 
 
 def default_profile_name(device_type: str, fake_backend: bool) -> str:

@@ -75,6 +75,8 @@ def _tag_log_records_with_rank() -> None:
 
 def run(job: JobConfig) -> int:
     entry = get_entry(job.model.name)
+    # Before anything loads a cost profile: the planner prices fp32 matmuls at this precision.
+    torch.set_float32_matmul_precision(job.training.float32_matmul_precision)
     solve_s = job.autoparallel.time_limit_s if entry.auto_parallel else 0.0
     startup = startup_timeout(job.comm.init_timeout_seconds, solve_s)
     runtime = init_runtime(os.environ.get("COMM_MODE", ""), startup, one_gloo_thread=_queued_gloo(entry))

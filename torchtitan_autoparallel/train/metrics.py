@@ -18,13 +18,15 @@ import torch
 
 logger = logging.getLogger("torchtitan_autoparallel")
 
-# Dense peak TFLOPs per GPU (datasheets); fp32 matmuls run on TF32 tensor cores.
+# Dense peak TFLOPs per GPU (datasheets). fp32 matmuls run on the FP32 cores at torch's
+# default float32_matmul_precision ("highest", which the trainer keeps) and on TF32
+# tensor cores ("tf32") where the precision allows.
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bfloat16": 989.0, "float32": 494.0},
-    "H100": {"bfloat16": 989.0, "float32": 494.0},
-    "A100": {"bfloat16": 312.0, "float32": 156.0},
-    "L40S": {"bfloat16": 362.0, "float32": 183.0},
-    "A10G": {"bfloat16": 70.0, "float32": 35.0},
+    "H200": {"bfloat16": 989.0, "tf32": 494.0, "float32": 67.0},
+    "H100": {"bfloat16": 989.0, "tf32": 494.0, "float32": 67.0},
+    "A100": {"bfloat16": 312.0, "tf32": 156.0, "float32": 19.5},
+    "L40S": {"bfloat16": 362.0, "tf32": 183.0, "float32": 91.6},
+    "A10G": {"bfloat16": 70.0, "tf32": 35.0, "float32": 31.2},
 }
 
 
@@ -54,10 +56,12 @@ def resolve_peak(configured: float | None, device: torch.device, dtype: str) -> 
     if configured is not None:
         return Peak(configured, "[metrics] peak_tflops")
     if device.type == "cuda":
+        if dtype == "float32" and torch.get_float32_matmul_precision() != "highest":
+            dtype = "tf32"
         name = torch.cuda.get_device_name(device)
         for key, table in GPU_PEAK_TFLOPS.items():
             if key in name:
-                return Peak(table[dtype], f"datasheet peak of {key}")
+                return Peak(table[dtype], f"datasheet {dtype} peak of {key}")
         return Peak(GPU_PEAK_TFLOPS["A100"][dtype], f"unknown GPU {name!r}: assumed A100")
     return Peak(measure_cpu_peak_tflops(), "measured by a start-up fp32 matmul benchmark")
 
