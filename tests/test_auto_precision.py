@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _run import FEW_LAYERS, train
+from _run import FEW_LAYERS, RunCache
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.build import GRAD_EDGE
 from torchtitan_autoparallel.planner.trace import TracedStep, trace_training_step
@@ -271,27 +270,19 @@ def test_ac_needs_transformer_blocks():
 # ---------------------------------------------------------------- launched runs
 
 
-class Runs:
-    """Automatic-plan runs (llama3 debug model cut to two blocks, 5 steps, global batch 4 x 64),
-    made once per key."""
+class Runs(RunCache):
+    """Automatic-plan runs: the llama3 debug model cut to two blocks, 5 steps, global batch 4 x 64."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.cache: dict[str, list[dict]] = {}
-
-    def get(self, key: str, ngpu: int, *overrides: str, dp: int | None = None) -> list[dict]:
-        if key not in self.cache:
-            self.cache[key] = train(
-                self.root / key, "--model.name", "llama3_auto_parallel", *overrides,
-                ngpu=ngpu, steps=STEPS, seq_len=SEQ_LEN, local_batch_size=GLOBAL_BATCH // (dp or ngpu),
-                n_layers=FEW_LAYERS,
-            )  # fmt: skip
-        return self.cache[key]
+    def auto(self, key: str, ngpu: int, *overrides: str, dp: int | None = None) -> list[dict]:
+        return self.get(
+            key, "--model.name", "llama3_auto_parallel", *overrides,
+            ngpu=ngpu, steps=STEPS, seq_len=SEQ_LEN, local_batch_size=GLOBAL_BATCH // (dp or ngpu),
+        )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("auto_precision"))
+    return Runs(tmp_path_factory.mktemp("auto_precision"), n_layers=FEW_LAYERS)
 
 
 BF16 = ("--training.mixed_precision_param", "bfloat16")
@@ -312,8 +303,8 @@ def _losses(records: list[dict]) -> list[float]:
 @pytest.mark.parametrize("plan", list(BF16_PLANS))
 def test_bf16_auto_run_tracks_one_rank(runs: Runs, plan: str) -> None:
     ngpu, extra, dp = BF16_PLANS[plan]
-    ref = runs.get("bf16_1", 1, *BF16)
-    got = runs.get(plan, ngpu, *BF16, *extra, dp=dp)
+    ref = runs.auto("bf16_1", 1, *BF16)
+    got = runs.auto(plan, ngpu, *BF16, *extra, dp=dp)
     print(f"\n{plan} losses {_losses(got)}\n1-rank losses {_losses(ref)}")
     assert _losses(got) == pytest.approx(_losses(ref), rel=BF16_LOSS_REL)
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=BF16_GRAD_NORM_REL)
@@ -324,16 +315,16 @@ def test_bf16_auto_run_tracks_one_rank(runs: Runs, plan: str) -> None:
 def test_bf16_flag_changes_the_numerics(runs: Runs) -> None:
     # bf16 must not be silently dropped: runs are deterministic, so an ignored
     # flag would give the fp32 losses bit for bit (observed: 1.6e-4 apart).
-    bf16 = _losses(runs.get("bf16_fsdp", 2, *BF16))
-    fp32 = _losses(runs.get("ac_none", 2))
+    bf16 = _losses(runs.auto("bf16_fsdp", 2, *BF16))
+    fp32 = _losses(runs.auto("ac_none", 2))
     assert max(abs(a - b) / abs(b) for a, b in zip(bf16, fp32)) > 1e-5, (bf16, fp32)
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_ac_auto_run_equals_no_ac(runs: Runs, mode: str) -> None:
-    ref = _losses(runs.get("ac_none", 2))
-    got = _losses(runs.get(f"ac_{mode}", 2, "--activation_checkpoint.mode", mode))
+    ref = _losses(runs.auto("ac_none", 2))
+    got = _losses(runs.auto(f"ac_{mode}", 2, "--activation_checkpoint.mode", mode))
     print(f"\nAC {mode} losses {got}\nAC off losses {ref}")
     assert got == pytest.approx(ref, rel=AC_LOSS_REL)
     assert len(set(got)) == STEPS
