@@ -247,10 +247,35 @@ def test_builtin_profiles_and_defaults() -> None:
     assert load_profile("h100").peak_tflops["bfloat16"] == pytest.approx(989.4)
     assert load_profile("a100").inter_node.bandwidth_GBps == pytest.approx(25.0)
     assert default_profile_name("cuda", False) == "h100"
+    assert default_profile_name("cuda", False, "NVIDIA H100 80GB HBM3") == "h100"
+    assert default_profile_name("cuda", False, "NVIDIA A100-SXM4-80GB") == "a100"
+    assert default_profile_name("cuda", False, "NVIDIA L40S") == "h100"  # no built-in of its own
+    assert default_profile_name("cpu", True, "NVIDIA A100-SXM4-80GB") == "h100"  # dry runs plan for H100s
     assert default_profile_name("cpu", True) == "h100"
     assert default_profile_name("cpu", False) == "cpu_gloo"
     cpu = load_profile("cpu_gloo")
     assert mesh_dim_links((4, 4, 4), cpu) == [cpu.intra_node] * 3
+
+
+def test_a_gpu_run_prices_with_its_own_gpus_profile(monkeypatch, caplog) -> None:
+    from types import SimpleNamespace
+
+    from torchtitan_autoparallel.config import JobConfig
+    from torchtitan_autoparallel.train import auto
+
+    auto._warn_unprofiled_gpu.cache_clear()  # warned once per process: start from none
+    runtime = SimpleNamespace(device_type="cuda", fake=False, device=torch.device("cuda", 0))
+    for gpu, want, warned in (("NVIDIA A100-SXM4-80GB", "a100", False), ("NVIDIA H100 80GB HBM3", "h100", False),
+                              ("NVIDIA L40S", "h100", True)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, gpu=gpu: gpu)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="torchtitan_autoparallel"):
+            assert auto.resolve_profile(JobConfig(), runtime).name == want
+        assert ("no built-in cost profile for NVIDIA L40S" in caplog.text) == warned, caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="torchtitan_autoparallel"):
+        auto.resolve_profile(JobConfig(), runtime)  # the L40S again: the run was told once
+    assert "no built-in cost profile" not in caplog.text
 
 
 # ------------------------------------------------------------- labels

@@ -80,10 +80,13 @@ def _mesh_shape(text: str, world: int, local: int) -> tuple[int, ...]:
 
 
 def _base_profile(name: str, device_type: str):
+    import torch
+
     from torchtitan_autoparallel.planner.profiles import default_profile_name, load_profile
 
     try:
-        return load_profile(default_profile_name(device_type, False) if name == "auto" else name)
+        gpu = torch.cuda.get_device_name() if device_type == "cuda" else ""
+        return load_profile(default_profile_name(device_type, False, gpu) if name == "auto" else name)
     except ValueError as e:
         raise UserError(f"--base: {e}") from None
 

@@ -201,11 +201,14 @@ def for_matmul_precision(profile: HardwareProfile, precision: str | None = None)
     return replace(profile, peak_tflops={**profile.peak_tflops, "float32": profile.peak_tflops[TF32]})
 
 
-def default_profile_name(device_type: str, fake_backend: bool) -> str:
-    """The profile to price a plan with when the user names none."""
+def default_profile_name(device_type: str, fake_backend: bool, device_name: str = "") -> str:
+    """The profile to price a plan with when the user names none: the GPU's own where a
+    built-in one matches ``device_name`` (``torch.cuda.get_device_name``), else ``h100``."""
     # A fake-backend dry run plans for the real GPU cluster it stands in for.
-    if fake_backend or device_type == "cuda":
+    if fake_backend:
         return "h100"
+    if device_type == "cuda":
+        return "a100" if "A100" in device_name else "h100"
     if device_type == "cpu":
         return "cpu_gloo"
     raise ValueError(f"no default hardware profile for device type {device_type!r}; pass one explicitly")

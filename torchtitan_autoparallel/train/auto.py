@@ -6,6 +6,7 @@ and drops size-1 axes; the planner reads each axis' role from its name.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -48,11 +49,20 @@ def resolve_profile(job: JobConfig, runtime: Runtime):
 
     name = job.autoparallel.cost_profile
     if name == "auto":
-        name = default_profile_name(runtime.device_type, runtime.fake)
+        gpu = torch.cuda.get_device_name(runtime.device) if runtime.device_type == "cuda" and not runtime.fake else ""
+        name = default_profile_name(runtime.device_type, runtime.fake, gpu)
+        if gpu and not any(known in gpu for known in ("H100", "H200", "A100")):
+            _warn_unprofiled_gpu(gpu, name)
     try:
         return load_profile(name)
     except ValueError as e:
         raise ConfigError(f"autoparallel.cost_profile: {e}") from None
+
+
+@functools.cache  # once per run: the profile is resolved for planning, the memory check and the plan check
+def _warn_unprofiled_gpu(gpu: str, name: str) -> None:
+    logger.warning(f"no built-in cost profile for {gpu}: planning with {name}'s numbers; "
+                   "CALIBRATE=1 ./run_train.sh measures this cluster (README: Reading and checking a plan)")
 
 
 def _plan_kwargs(job: JobConfig, runtime: Runtime, degrees: tuple[int, int, int]) -> dict:
