@@ -17,6 +17,7 @@ import statistics
 
 import torch
 
+from matmul_precision import mm_us  # beside this script
 from torchtitan_autoparallel.planner.cost_model import compute_time_us
 from torchtitan_autoparallel.planner.profiles import load_profile
 
@@ -27,20 +28,6 @@ MODELS = {"8B": (4096, 14336, 1024), "70B": (8192, 28672, 1024)}  # dim, ffn hid
 def projections(dim: int, hidden: int, kv: int) -> dict[str, tuple[int, int]]:
     """(in, out) features of each weight."""
     return {"wq": (dim, dim), "wkv": (dim, 2 * kv), "wo": (dim, dim), "w1": (dim, hidden), "w2": (hidden, dim)}
-
-
-def time_us(m: int, k: int, n: int) -> float:
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        torch.mm(a, b)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        torch.mm(a, b)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / 20
 
 
 def main() -> None:
@@ -56,7 +43,7 @@ def main() -> None:
                     if tp == 1 and cut == "in":
                         continue
                     flops, nbytes = 2.0 * TOKENS * k * n, 2.0 * (TOKENS * k + k * n + TOKENS * n)
-                    measured = time_us(TOKENS, k, n)
+                    measured = mm_us(TOKENS, k, n, torch.bfloat16)
                     predicted = compute_time_us(flops, nbytes, torch.bfloat16, profile)
                     rows.append({"model": model, "weight": name, "tp": tp, "cut": cut, "m": TOKENS, "k": k, "n": n,
                                  "measured_us": round(measured, 2), "predicted_us": round(predicted, 2),

@@ -15,10 +15,10 @@ import json
 import torch
 
 
-def tflops(n: int, dtype: torch.dtype, precision: str, repeats: int = 20) -> float:
-    torch.set_float32_matmul_precision(precision)
-    a = torch.randn(n, n, device="cuda", dtype=dtype)
-    b = torch.randn(n, n, device="cuda", dtype=dtype)
+def mm_us(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 20) -> float:
+    """Microseconds per (m x k) @ (k x n) matmul, by CUDA events over ``repeats`` calls after 3 warm-ups."""
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype)
     for _ in range(3):
         torch.mm(a, b)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -27,7 +27,12 @@ def tflops(n: int, dtype: torch.dtype, precision: str, repeats: int = 20) -> flo
         torch.mm(a, b)
     end.record()
     torch.cuda.synchronize()
-    return 2 * n**3 * repeats / (start.elapsed_time(end) * 1e-3) / 1e12
+    return start.elapsed_time(end) * 1e3 / repeats
+
+
+def tflops(n: int, dtype: torch.dtype, precision: str) -> float:
+    torch.set_float32_matmul_precision(precision)
+    return 2 * n**3 / mm_us(n, n, n, dtype) / 1e6
 
 
 def main() -> None:

@@ -201,6 +201,15 @@ def for_matmul_precision(profile: HardwareProfile, precision: str | None = None)
     return replace(profile, peak_tflops={**profile.peak_tflops, "float32": profile.peak_tflops[TF32]})
 
 
+# GPU names (as torch.cuda.get_device_name has them) -> their built-in profile.
+_GPU_PROFILES = {"H100": "h100", "H200": "h100", "A100": "a100"}
+
+
+def gpu_profile_name(device_name: str) -> str | None:
+    """The built-in profile of the GPU called ``device_name``, or None where it has none."""
+    return next((profile for gpu, profile in _GPU_PROFILES.items() if gpu in device_name), None)
+
+
 def default_profile_name(device_type: str, fake_backend: bool, device_name: str = "") -> str:
     """The profile to price a plan with when the user names none: the GPU's own where a
     built-in one matches ``device_name`` (``torch.cuda.get_device_name``), else ``h100``."""
@@ -208,7 +217,7 @@ def default_profile_name(device_type: str, fake_backend: bool, device_name: str 
     if fake_backend:
         return "h100"
     if device_type == "cuda":
-        return "a100" if "A100" in device_name else "h100"
+        return gpu_profile_name(device_name) or "h100"
     if device_type == "cpu":
         return "cpu_gloo"
     raise ValueError(f"no default hardware profile for device type {device_type!r}; pass one explicitly")

@@ -45,13 +45,13 @@ def build_auto_mesh(runtime: Runtime, degrees: tuple[int, int, int]) -> DeviceMe
 
 
 def resolve_profile(job: JobConfig, runtime: Runtime):
-    from torchtitan_autoparallel.planner.profiles import default_profile_name, load_profile
+    from torchtitan_autoparallel.planner.profiles import default_profile_name, gpu_profile_name, load_profile
 
     name = job.autoparallel.cost_profile
     if name == "auto":
         gpu = torch.cuda.get_device_name(runtime.device) if runtime.device_type == "cuda" and not runtime.fake else ""
         name = default_profile_name(runtime.device_type, runtime.fake, gpu)
-        if gpu and not any(known in gpu for known in ("H100", "H200", "A100")):
+        if gpu and gpu_profile_name(gpu) is None:
             _warn_unprofiled_gpu(gpu, name)
     try:
         return load_profile(name)
