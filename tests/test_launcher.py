@@ -165,3 +165,15 @@ def test_unknown_gloo_collectives_mode_is_refused(tmp_path: Path) -> None:
     )
     assert_one_error_line(run, ["AUTOPARALLEL_GLOO_COLLECTIVES='overlapped'", "chained, queued, blocking, async"])
     assert not (tmp_path / "out").exists()
+
+
+def test_cpu_ranks_share_the_cores_unless_the_user_chose(monkeypatch) -> None:
+    from torchtitan_autoparallel.train.launch import share_cpu_cores
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    env: dict[str, str] = {}
+    share_cpu_cores(4, env)
+    assert env == {"OMP_NUM_THREADS": "2", "TORCHINDUCTOR_COMPILE_THREADS": "2"}
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "6"}
+    share_cpu_cores(16, env)  # more ranks than cores: one thread each, never zero
+    assert env == {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "6"}
