@@ -64,6 +64,10 @@ def init_runtime(comm_mode: str = "", timeout: timedelta | None = None, one_gloo
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None, timeout=timeout)
+    # gloo's connectFullMesh can return on one rank while a peer is still handshaking;
+    # a rank that then exits at once (a bad argument found right after start-up) would
+    # crash that peer with "Connection closed by peer" on top of the one-line error.
+    dist.barrier()
     return Runtime(device, backend, dist.get_rank(), dist.get_world_size(), local_rank)
 
 
