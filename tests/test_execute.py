@@ -1,9 +1,9 @@
 """The executor runs a plan as planned, with the numerics of one device.
 
-Multi-rank tests launch ``torchtitan_autoparallel.execute.parity`` under
-torchrun on gloo (LLaMA3 debug model, 2 layers, fp32, batch 4 x seq 32, 3
-AdamW steps) and compare its per-step losses with an unsharded eager run in
-this process. The unit tests run in this process on a fake process group.
+Multi-rank tests launch ``torchtitan_autoparallel.execute.parity`` through the
+trainer's launcher (torchrun) on gloo (LLaMA3 debug model, 2 layers, fp32,
+batch 4 x seq 32, 3 AdamW steps) and compare its per-step losses with an
+unsharded eager run in this process. The unit tests run in this process on a fake process group.
 """
 
 from __future__ import annotations
@@ -54,15 +54,16 @@ def run_parity(mesh: str, *flags: str, tmp: Path) -> dict:
     if key not in _runs:
         _, sizes = parse_mesh(mesh)
         out = tmp / f"parity_{len(_runs)}.json"
+        # run_train.sh's launcher: on CPU its ranks are forked, already holding torch
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(math.prod(sizes)),
-            "-m", "torchtitan_autoparallel.execute.parity", "--mesh", mesh, "--out", str(out), *flags,
+            sys.executable, "-m", "torchtitan_autoparallel.train.launch", "--ngpu", str(math.prod(sizes)),
+            "--standalone", "--", "-m", "torchtitan_autoparallel.execute.parity", "--mesh", mesh, "--out", str(out),
+            *flags,
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         if not out.exists():
-            pytest.fail(f"torchrun {mesh} wrote no result (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+            pytest.fail(f"the {mesh} job wrote no result (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
         _runs[key] = json.loads(out.read_text())
     return _runs[key]
 

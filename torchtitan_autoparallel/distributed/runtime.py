@@ -91,6 +91,9 @@ def _init_fake(world_size: int) -> Runtime:
     return Runtime(torch.device("cpu"), "fake", 0, world_size, 0)
 
 
+FORKED_RANK_ENV = "TORCHTITAN_AUTOPARALLEL_FORKED_RANK"  # set in a rank forked by the launcher
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -106,8 +109,12 @@ def exit_process(code: int) -> NoReturn:
     "terminate called without an active exception") after a successful run.
     Everything worth keeping (metrics, TensorBoard events, checkpoints) is
     written and closed before this is called; only the streams need a flush.
+    A rank forked by the launcher (``train/forked_rank.py``) is never finalised:
+    it returns to torchrun, which collects its result and ends it the same way.
     """
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if os.environ.get(FORKED_RANK_ENV):
+        raise SystemExit(code)
     os._exit(code)

@@ -8,6 +8,8 @@ the check for torchtitan's models) before any rank started: several seconds of
 a start-up that should take a few on a cached plan. Here they share one
 interpreter: the GPU count and the check happen first, and torchrun's own
 ``main`` then starts the ranks, exactly as ``python -m torch.distributed.run``.
+On a single CPU host it forks them (``forked_rank.py``), so that they too start
+with all of that imported; GPU and multi-node jobs start new processes.
 
 With ``COMM_MODE=fake_backend`` no ranks are started: the module runs in this
 process, playing rank 0 of NGPU ranks on a fake process group.
@@ -20,6 +22,7 @@ import os
 import runpy
 import sys
 from collections.abc import MutableMapping
+from pathlib import Path
 
 from torchtitan_autoparallel.config import load_config
 from torchtitan_autoparallel.config.help import help_for, wants_help
@@ -29,6 +32,8 @@ from torchtitan_autoparallel.train.preflight import check, parse_ngpu
 
 CPU_DEFAULT_RANKS = 4
 TRAIN_MODULE = "torchtitan_autoparallel.train.main"
+FORK_ENV = "AUTOPARALLEL_FORK_RANKS"  # 0: start each CPU rank as a new process
+FORKED_RANK = str(Path(__file__).with_name("forked_rank.py"))  # torchrun's --run-path wants a path
 USAGE = "usage: launch --ngpu N|auto [torchrun options] -- -m MODULE [ARGS...]"
 
 
@@ -43,6 +48,7 @@ def main(argv: list[str]) -> int:
         fake = os.environ.get("COMM_MODE") == "fake_backend"
         if module == TRAIN_MODULE:
             check(load_config(module_args), ngpu, fake)
+        start = rank_start(gpus, torchrun_args, os.environ.get(FORK_ENV, "1"))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -53,7 +59,18 @@ def main(argv: list[str]) -> int:
         sys.argv = [module, *module_args]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return 0  # the module exits itself; reached only if it returns
-    return _torchrun(["--nproc-per-node", str(ngpu), *torchrun_args, "-m", module, *module_args])
+    return _torchrun(["--nproc-per-node", str(ngpu), *torchrun_args, *start, module, *module_args])
+
+
+def rank_start(gpus: int, torchrun_args: list[str], fork: str = "1") -> list[str]:
+    """torchrun's options that start each rank on MODULE: forked from this process
+    on one CPU host (``forked_rank.py``), a new ``python -m`` process otherwise or
+    when ``fork`` (``AUTOPARALLEL_FORK_RANKS``) is 0."""
+    if fork not in ("0", "1"):
+        raise ConfigError(f"{FORK_ENV}={fork!r} is not accepted; accepted: 1 (fork CPU ranks, the default) or 0")
+    if fork == "1" and gpus == 0 and "--standalone" in torchrun_args:
+        return ["--run-path", "--start-method", "fork", FORKED_RANK]
+    return ["-m"]
 
 
 def share_cpu_cores(ranks: int, env: MutableMapping[str, str]) -> None:
@@ -80,6 +97,9 @@ def _torchrun(args: list[str]) -> int:
     os.environ[failures.LAUNCHER_ENV] = "1"
     # its "closing signal SIGTERM" and "failed (exitcode: ...)" lines: the report says it
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.CRITICAL)  # the same, for forked ranks
+    sys.stdout.flush()  # a forked rank would print what is still buffered again
+    sys.stderr.flush()
     try:
         run(parse_args(args))
     except ChildFailedError as e:

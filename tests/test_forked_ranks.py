@@ -1,0 +1,67 @@
+"""On one CPU host the launcher forks its ranks (``train/forked_rank.py``): each must
+start as a new process would, and a GPU or multi-node job must still start new ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from _run import PYTHON, REPO
+
+from torchtitan_autoparallel.train.launch import FORKED_RANK, rank_start
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_only_a_single_cpu_host_forks_its_ranks() -> None:
+    assert rank_start(0, ["--standalone", "--tee", "3"]) == ["--run-path", "--start-method", "fork", FORKED_RANK]
+    assert Path(FORKED_RANK).is_file()
+    assert rank_start(4, ["--standalone"]) == ["-m"]  # CUDA cannot be used across a fork
+    assert rank_start(0, ["--nnodes", "2", "--rdzv-backend", "c10d"]) == ["-m"]
+    assert rank_start(0, ["--standalone"], fork="0") == ["-m"]
+
+
+def test_a_bad_fork_setting_is_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "AUTOPARALLEL_FORK_RANKS": "yes"}
+    cmd = [str(PYTHON), "-m", "torchtitan_autoparallel.train.launch", "--ngpu", "2", "--standalone", "--",
+           "-m", "torchtitan_autoparallel.train.main", "--job.dump_folder", str(tmp_path)]
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "error: AUTOPARALLEL_FORK_RANKS='yes' is not accepted; accepted: 1 (fork CPU ranks, the default) or 0"
+    ], run.stderr
+
+
+def _state_job(tmp_path: Path, fork: str) -> subprocess.CompletedProcess:
+    """Two ranks of ``_rank_state`` through the launcher, with no thread count set."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")}
+    env.update(PYTHONPATH=f"{TESTS}{os.pathsep}{env.get('PYTHONPATH', '')}", AUTOPARALLEL_FORK_RANKS=fork)
+    cmd = [str(PYTHON), "-m", "torchtitan_autoparallel.train.launch", "--ngpu", "2", "--standalone",
+           "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "--", "-m", "_rank_state", str(tmp_path)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_forked_rank_starts_as_a_new_process_would(tmp_path: Path, fork: str) -> None:
+    run = _state_job(tmp_path, fork)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "[rank0]:rank 0 reported" in run.stdout
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    for rank in (0, 1):
+        state = json.loads((tmp_path / f"state{rank}.json").read_text())
+        assert state == {
+            "forked": fork == "1",
+            "own_session": True,  # a terminal's Ctrl-C reaches the launcher, which stops the ranks
+            "threads": share,  # the launcher's share of the cores, not its own thread count
+            "omp_num_threads": str(share),
+            "sigterm_default": True,  # not the launcher's handler, which raises instead of ending
+            "sigint_raises": True,
+            "root_log_handlers": 0,
+        }, (rank, state)
+        # runtime.exit_process ends a new process by os._exit, before any exit hook; a forked
+        # rank returns to torchrun, and forked_rank.py runs the hooks the rank registered
+        assert (tmp_path / f"exit_hook{rank}").exists() == (fork == "1")
