@@ -38,7 +38,7 @@ def _fresh_process_state() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    atexit._clear()  # the launcher's hooks (its temporary folders among them) are not ours
+    atexit._clear()  # the launcher's exit hooks are the launcher's to run, not each rank's
     for handler in list(logging.root.handlers):
         logging.root.removeHandler(handler)
     # a new interpreter is unbuffered under torchrun (``python -u``)
@@ -52,12 +52,12 @@ def _share_threads() -> None:
     before it chose this rank's share (``launch.share_cpu_cores``)."""
     import torch
 
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads:
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # OpenMP too ignores a value it cannot read
         torch.set_num_threads(int(threads))
-    compile_threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+    compile_threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "")
     inductor_config = sys.modules.get("torch._inductor.config")
-    if compile_threads and inductor_config is not None:
+    if compile_threads.isdigit() and int(compile_threads) > 0 and inductor_config is not None:
         inductor_config.compile_threads = int(compile_threads)
 
 
