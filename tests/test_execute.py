@@ -3,7 +3,8 @@
 Multi-rank tests launch ``torchtitan_autoparallel.execute.parity`` through the
 trainer's launcher (torchrun) on gloo (LLaMA3 debug model, 2 layers, fp32,
 batch 4 x seq 32, 3 AdamW steps) and compare its per-step losses with an
-unsharded eager run in this process. The unit tests run in this process on a fake process group.
+unsharded eager run in this process. The unit tests run in this process on a
+fake process group.
 """
 
 from __future__ import annotations

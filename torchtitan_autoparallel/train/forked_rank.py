@@ -52,13 +52,20 @@ def _share_threads() -> None:
     before it chose this rank's share (``launch.share_cpu_cores``)."""
     import torch
 
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:  # OpenMP too ignores a value it cannot read
-        torch.set_num_threads(int(threads))
-    compile_threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "")
+    threads = _count("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(threads)
+    compile_threads = _count("TORCHINDUCTOR_COMPILE_THREADS")
     inductor_config = sys.modules.get("torch._inductor.config")
-    if compile_threads.isdigit() and int(compile_threads) > 0 and inductor_config is not None:
-        inductor_config.compile_threads = int(compile_threads)
+    if compile_threads and inductor_config is not None:
+        inductor_config.compile_threads = compile_threads
+
+
+def _count(name: str) -> int:
+    """A positive count from the environment; 0 for unset or unreadable, which
+    OpenMP too ignores."""
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else 0
 
 
 def main() -> None:
