@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
 LAUNCHER = REPO / "run_train.sh"
 PYTHON = REPO / ".venv" / "bin" / "python"
 LLAMA3_CONFIG = REPO / "train_configs" / "llama3_debugmodel.toml"
@@ -95,6 +96,18 @@ def run_launcher(
         run = Run(cmd, -9, out, err + f"\n[timed out after {timeout} s]", time.perf_counter() - start)
     RUNS.append(run)
     return run
+
+
+def launch_test_module(
+    module: str, *args: str, log_rank: str = "0", env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    """Two ranks of the test module ``module`` (from ``tests/``) through our launcher, as
+    ``run_train.sh`` starts them; ``env`` replaces the whole environment when given."""
+    base = dict(os.environ if env is None else env)
+    base["PYTHONPATH"] = f"{TESTS}{os.pathsep}{base.get('PYTHONPATH', '')}"
+    cmd = [str(PYTHON), "-m", "torchtitan_autoparallel.train.launch", "--ngpu", "2", "--standalone",
+           "--local-ranks-filter", log_rank, "--role", "rank", "--tee", "3", "--", "-m", module, *args]
+    return subprocess.run(cmd, cwd=REPO, env=base, capture_output=True, text=True, timeout=timeout)
 
 
 def read_metrics(dump_folder: str | Path) -> list[dict]:

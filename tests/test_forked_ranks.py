@@ -9,11 +9,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _run import PYTHON, REPO
+from _run import PYTHON, REPO, launch_test_module
 
 from torchtitan_autoparallel.train.launch import FORKED_RANK, rank_start
-
-TESTS = Path(__file__).resolve().parent
 
 
 def test_only_a_single_cpu_host_forks_its_ranks() -> None:
@@ -38,10 +36,7 @@ def test_a_bad_fork_setting_is_one_line(tmp_path: Path) -> None:
 def _state_job(tmp_path: Path, fork: str) -> subprocess.CompletedProcess:
     """Two ranks of ``_rank_state`` through the launcher, with no thread count set."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")}
-    env.update(PYTHONPATH=f"{TESTS}{os.pathsep}{env.get('PYTHONPATH', '')}", AUTOPARALLEL_FORK_RANKS=fork)
-    cmd = [str(PYTHON), "-m", "torchtitan_autoparallel.train.launch", "--ngpu", "2", "--standalone",
-           "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "--", "-m", "_rank_state", str(tmp_path)]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    return launch_test_module("_rank_state", str(tmp_path), env={**env, "AUTOPARALLEL_FORK_RANKS": fork})
 
 
 @pytest.mark.multirank

@@ -13,20 +13,14 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from _failing_rank import BAD_INPUT
-from _run import PYTHON, REPO, run_launcher
+from _run import PYTHON, REPO, launch_test_module, run_launcher
 
 from torchtitan_autoparallel.train import failures
-
-TESTS = Path(__file__).resolve().parent
 
 
 def _launch(how: str, log_rank: str) -> subprocess.CompletedProcess:
     """Two ranks of ``_failing_rank`` through our launcher, as ``run_train.sh`` starts them."""
-    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [str(PYTHON), "-m", "torchtitan_autoparallel.train.launch", "--ngpu", "2", "--standalone",
-           "--local-ranks-filter", log_rank, "--role", "rank", "--tee", "3", "--",
-           "-m", "_failing_rank", how]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    return launch_test_module("_failing_rank", how, log_rank=log_rank)
 
 
 def _error_lines(text: str) -> list[str]:
