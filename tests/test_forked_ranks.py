@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _run import PYTHON, REPO, launch_test_module
+from _run import launch_test_module
 
 from torchtitan_autoparallel.train.launch import FORKED_RANK, rank_start
 
@@ -24,9 +24,7 @@ def test_only_a_single_cpu_host_forks_its_ranks() -> None:
 
 def test_a_bad_fork_setting_is_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "AUTOPARALLEL_FORK_RANKS": "yes"}
-    cmd = [str(PYTHON), "-m", "torchtitan_autoparallel.train.launch", "--ngpu", "2", "--standalone", "--",
-           "-m", "torchtitan_autoparallel.train.main", "--job.dump_folder", str(tmp_path)]
-    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    run = launch_test_module("torchtitan_autoparallel.train.main", "--job.dump_folder", str(tmp_path), env=env)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
         "error: AUTOPARALLEL_FORK_RANKS='yes' is not accepted; accepted: 1 (fork CPU ranks, the default) or 0"

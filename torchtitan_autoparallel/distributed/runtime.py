@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from torchtitan_autoparallel.cpu_compat import one_gloo_worker_thread, point_torchtitan_at
 
+FORKED_RANK_ENV = "TORCHTITAN_AUTOPARALLEL_FORKED_RANK"  # set in a rank forked by the launcher
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -89,9 +91,6 @@ def _init_fake(world_size: int) -> Runtime:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     return Runtime(torch.device("cpu"), "fake", 0, world_size, 0)
-
-
-FORKED_RANK_ENV = "TORCHTITAN_AUTOPARALLEL_FORKED_RANK"  # set in a rank forked by the launcher
 
 
 def shutdown() -> None:
