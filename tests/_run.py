@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,23 +81,99 @@ def run_launcher(
     shown_env += f" CONFIG_FILE={config}" if config is not None else ""
     cmd = f"{shown_env} LOG_RANK={log_rank} ./run_train.sh " + " ".join(map(str, args))
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(
+    with tempfile.TemporaryDirectory(prefix="rank_logs_") as logs:
+        full_env["PET_LOG_DIR"] = logs  # torchrun's --log-dir: every rank's output, shown or not
+        proc = subprocess.Popen(
             [str(LAUNCHER), *map(str, args)],
             cwd=REPO,
             env=full_env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=timeout,
             start_new_session=True,
         )
-        run = Run(cmd, proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - start)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        run = Run(cmd, -9, out, err + f"\n[timed out after {timeout} s]", time.perf_counter() - start)
+        returncode, out, err = finish(proc, timeout, Path(logs))
+    run = Run(cmd, returncode, out, err, time.perf_counter() - start)
     RUNS.append(run)
     return run
+
+
+def finish(proc: subprocess.Popen, timeout: float, logs: Path) -> tuple[int, str, str]:
+    """``proc``'s exit status and output; past ``timeout`` (-9), ``stop_hung``'s, with
+    each rank's stack from ``logs`` (torchrun's --log-dir) after it."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        out, err = stop_hung(proc)
+        return -9, out, err + rank_stacks(logs) + f"\n[timed out after {timeout} s]"
+
+
+def stop_hung(proc: subprocess.Popen) -> tuple[str, str]:
+    """Stop a launch that ran past its timeout, keeping what it says about why.
+
+    Each rank first prints its Python stacks (SIGUSR1, ``train/main.py``), then the
+    launcher is asked to stop (SIGTERM): torchrun then stops the ranks and flushes
+    their output, which a plain kill of the launcher would lose, and leave the ranks
+    running. Whatever still runs a minute later is killed.
+    """
+    for rank in child_pids(proc.pid):
+        _signal(rank, signal.SIGUSR1)
+    time.sleep(2)  # torchrun copies rank output to the console every 0.1 s
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        for pid in [*child_pids(proc.pid), proc.pid]:
+            _signal(pid, signal.SIGKILL)
+        return proc.communicate()
+
+
+def rank_stacks(logs: Path, frames: int = 6) -> str:
+    """The innermost ``frames`` of each rank's main thread, from the last stack dump in
+    its torchrun log (``logs``: the job's --log-dir); every rank, whatever LOG_RANK shows."""
+    lines = []
+    for path in sorted(logs.glob("*/attempt_*/*/stderr.log"), key=lambda p: int(p.parent.name)):
+        rank, text = path.parent.name, path.read_text(errors="replace")
+        start = text.rfind("Current thread ")
+        if start < 0:
+            lines.append(f"[rank{rank}]:stack: none printed (the rank had not started the trainer)")
+            continue
+        where = [x.strip() for x in text[start:].splitlines()[1:] if x.startswith("  File ")][:frames]
+        lines += [f"[rank{rank}]:stack: {x}" for x in where]
+    return "".join(f"\n{x}" for x in lines)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (the ranks, for the launcher)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        fields = _stat_fields(stat)
+        if fields and int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    return bool(fields) and fields[0] != "Z"
+
+
+def _stat_fields(stat: Path) -> list[str]:
+    """``/proc/PID/stat`` after the command name (state, ppid, ...); [] once it ended."""
+    try:
+        # "pid (comm) state ppid ...": comm may hold spaces, so read after its ")"
+        return stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def launch_test_module(

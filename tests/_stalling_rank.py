@@ -25,6 +25,7 @@ def _slow_solve(seconds: float) -> None:
 
     def solve_on_rank0(built, solve, group=None):
         def slow():
+            print(f"stalling the solve for {seconds:.0f} s", file=sys.stderr, flush=True)
             time.sleep(seconds)
             return solve()
 

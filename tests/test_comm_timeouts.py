@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from _run import LLAMA3_CONFIG, PYTHON, REPO, read_metrics
+from _run import LLAMA3_CONFIG, PYTHON, REPO, alive, child_pids, finish, read_metrics
 
 from torchtitan_autoparallel.distributed.runtime import startup_timeout
 from torchtitan_autoparallel.train import failures
@@ -24,17 +24,24 @@ pytestmark = pytest.mark.multirank
 TESTS = Path(__file__).resolve().parent
 
 
+def _command(where: str, seconds: float, dump: Path, *job_args: str) -> list[str]:
+    return [str(PYTHON), "-m", "torchtitan_autoparallel.train.launch", "--ngpu", "2", "--standalone",
+            "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "--",
+            "-m", "_stalling_rank", where, str(seconds),
+            "--job.config_file", str(LLAMA3_CONFIG), "--job.dump_folder", str(dump),
+            "--model.name", "llama3_auto_parallel", "--training.steps", "2", "--training.seq_len", "64",
+            "--training.local_batch_size", "2", "--metrics.peak_tflops", "1",
+            "--metrics.enable_tensorboard", "false", *job_args]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
 def _launch(where: str, seconds: float, dump: Path, *job_args: str) -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [str(PYTHON), "-m", "torchtitan_autoparallel.train.launch", "--ngpu", "2", "--standalone",
-           "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "--",
-           "-m", "_stalling_rank", where, str(seconds),
-           "--job.config_file", str(LLAMA3_CONFIG), "--job.dump_folder", str(dump),
-           "--model.name", "llama3_auto_parallel", "--training.steps", "2", "--training.seq_len", "64",
-           "--training.local_batch_size", "2", "--metrics.peak_tflops", "1",
-           "--metrics.enable_tensorboard", "false", *job_args]
     start = time.perf_counter()
-    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    cmd = _command(where, seconds, dump, *job_args)
+    run = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     return run, time.perf_counter() - start
 
 
@@ -60,3 +67,40 @@ def test_a_stuck_collective_after_the_first_step_fails_within_the_train_timeout(
     assert last.endswith(f"({failures.TIMEOUT_HINT})"), last
     assert seconds < 120, f"the job took {seconds:.0f} s to fail"
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+
+
+def test_a_hung_launch_is_stopped_showing_where_its_ranks_were(tmp_path: Path) -> None:
+    # rank 0's solve takes ten minutes; the test gives up on the job once it solves
+    cmd = _command("solve", 600, tmp_path / "job", "--model.n_layers", "2")
+    env = {**_env(), "PET_LOG_DIR": str(tmp_path / "logs")}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    _wait_for_line(tmp_path / "logs", "stalling the solve for", proc)
+    time.sleep(1)  # rank 1 has checked the problem with rank 0: it now waits for the plan
+    ranks = child_pids(proc.pid)
+    start = time.perf_counter()
+    returncode, _, err = finish(proc, 0.1, tmp_path / "logs")  # as if its timeout had passed
+    assert time.perf_counter() - start < 60, err[-3000:]
+    assert returncode == -9 and len(ranks) >= 2, (returncode, ranks)
+    # rank 0's threads, printed on SIGUSR1 by the trainer; torchrun's own stop; then
+    # each rank's innermost frames, rank 1's from a log that LOG_RANK=0 does not show
+    assert "(most recent call first)" in err and "torchtitan_autoparallel/train/main.py" in err, err[-3000:]
+    assert "stopped: the launcher received SIGTERM; every rank was stopped" in err, err[-3000:]
+    stacks = {r: [x for x in err.splitlines() if x.startswith(f"[rank{r}]:stack: ")] for r in (0, 1)}
+    assert any("_stalling_rank.py" in x and " in slow" in x for x in stacks[0]), err[-3000:]
+    assert any(" in broadcast" in x for x in stacks[1]), err[-3000:]  # waiting for rank 0's plan
+    time.sleep(1)  # an orphan is reaped by init, not at once
+    left = [pid for pid in ranks if alive(pid)]
+    assert not left, f"ranks still running after the launcher stopped: {left}"
+
+
+def _wait_for_line(logs: Path, text: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Until rank 0's torchrun log (under ``logs``) holds ``text``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:
+        if any(text in p.read_text(errors="replace") for p in logs.glob("*/attempt_0/0/stderr.log")):
+            return
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError(f"rank 0 never logged {text!r} (launcher exit status {proc.poll()})")
+

@@ -6,9 +6,11 @@ one ``error:`` line and exit status 2, never a traceback.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import math
 import os
+import signal
 import sys
 from datetime import timedelta
 
@@ -46,6 +48,9 @@ logger = logging.getLogger("torchtitan_autoparallel")
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[rank%(rank)s] %(asctime)s %(message)s")
     _tag_log_records_with_rank()
+    # `kill -USR1 <rank pid>` prints where every thread of a rank is, even one stuck in
+    # a collective or a lock: how to see why a job hangs without stopping it
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     argv = sys.argv[1:] if argv is None else argv
     if wants_help(argv):
         print(help_for(argv))
