@@ -176,16 +176,25 @@ def _signal(pid: int, sig: signal.Signals) -> None:
         pass
 
 
-def launch_test_module(
-    module: str, *args: str, log_rank: str = "0", env: dict[str, str] | None = None, timeout: float = 180
-) -> subprocess.CompletedProcess:
-    """Two ranks of the test module ``module`` (from ``tests/``) through our launcher, as
-    ``run_train.sh`` starts them; ``env`` replaces the whole environment when given."""
+def module_launch(
+    module: str, *args: str, log_rank: str = "0", env: dict[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that start two ranks of the test module ``module``
+    (from ``tests/``) through our launcher, as ``run_train.sh`` starts them; ``env``
+    replaces the whole environment when given."""
     base = dict(os.environ if env is None else env)
     base["PYTHONPATH"] = f"{TESTS}{os.pathsep}{base.get('PYTHONPATH', '')}"
     cmd = [str(PYTHON), "-m", "torchtitan_autoparallel.train.launch", "--ngpu", "2", "--standalone",
            "--local-ranks-filter", log_rank, "--role", "rank", "--tee", "3", "--", "-m", module, *args]
-    return subprocess.run(cmd, cwd=REPO, env=base, capture_output=True, text=True, timeout=timeout)
+    return cmd, base
+
+
+def launch_test_module(
+    module: str, *args: str, log_rank: str = "0", env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    """Run ``module_launch``'s job to its end."""
+    cmd, full_env = module_launch(module, *args, log_rank=log_rank, env=env)
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
 def read_metrics(dump_folder: str | Path) -> list[dict]:

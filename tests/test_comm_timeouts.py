@@ -15,33 +15,26 @@ from pathlib import Path
 
 import pytest
 
-from _run import LLAMA3_CONFIG, PYTHON, REPO, alive, child_pids, finish, read_metrics
+from _run import LLAMA3_CONFIG, REPO, alive, child_pids, finish, launch_test_module, module_launch, read_metrics
 
 from torchtitan_autoparallel.distributed.runtime import startup_timeout
 from torchtitan_autoparallel.train import failures
 
 pytestmark = pytest.mark.multirank
-TESTS = Path(__file__).resolve().parent
 
 
-def _command(where: str, seconds: float, dump: Path, *job_args: str) -> list[str]:
-    return [str(PYTHON), "-m", "torchtitan_autoparallel.train.launch", "--ngpu", "2", "--standalone",
-            "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "--",
-            "-m", "_stalling_rank", where, str(seconds),
+def _job(where: str, seconds: float, dump: Path, *job_args: str) -> tuple[str, ...]:
+    """``_stalling_rank``'s arguments: the trainer's, with one rank held up at ``where``."""
+    return ("_stalling_rank", where, str(seconds),
             "--job.config_file", str(LLAMA3_CONFIG), "--job.dump_folder", str(dump),
             "--model.name", "llama3_auto_parallel", "--training.steps", "2", "--training.seq_len", "64",
             "--training.local_batch_size", "2", "--metrics.peak_tflops", "1",
-            "--metrics.enable_tensorboard", "false", *job_args]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            "--metrics.enable_tensorboard", "false", *job_args)
 
 
 def _launch(where: str, seconds: float, dump: Path, *job_args: str) -> tuple[subprocess.CompletedProcess, float]:
     start = time.perf_counter()
-    cmd = _command(where, seconds, dump, *job_args)
-    run = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    run = launch_test_module(*_job(where, seconds, dump, *job_args), timeout=300)
     return run, time.perf_counter() - start
 
 
@@ -71,8 +64,8 @@ def test_a_stuck_collective_after_the_first_step_fails_within_the_train_timeout(
 
 def test_a_hung_launch_is_stopped_showing_where_its_ranks_were(tmp_path: Path) -> None:
     # rank 0's solve takes ten minutes; the test gives up on the job once it solves
-    cmd = _command("solve", 600, tmp_path / "job", "--model.n_layers", "2")
-    env = {**_env(), "PET_LOG_DIR": str(tmp_path / "logs")}
+    job = _job("solve", 600, tmp_path / "job", "--model.n_layers", "2")
+    cmd, env = module_launch(*job, env={**os.environ, "PET_LOG_DIR": str(tmp_path / "logs")})
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     _wait_for_line(tmp_path / "logs", "stalling the solve for", proc)
@@ -103,4 +96,3 @@ def _wait_for_line(logs: Path, text: str, proc: subprocess.Popen, timeout: float
         time.sleep(0.5)
     proc.kill()
     raise AssertionError(f"rank 0 never logged {text!r} (launcher exit status {proc.poll()})")
-
