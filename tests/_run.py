@@ -133,8 +133,8 @@ def rank_stacks(logs: Path, frames: int = 6) -> str:
     """The innermost ``frames`` of each rank's main thread, from the last stack dump in
     its torchrun log (``logs``: the job's --log-dir); every rank, whatever LOG_RANK shows."""
     lines = []
-    for path in sorted(logs.glob("*/attempt_*/*/stderr.log"), key=lambda p: int(p.parent.name)):
-        rank, text = path.parent.name, path.read_text(errors="replace")
+    for rank, path in rank_logs(logs):
+        text = path.read_text(errors="replace")
         start = text.rfind("Current thread ")
         if start < 0:
             lines.append(f"[rank{rank}]:stack: none printed (the rank had not started the trainer)")
@@ -142,6 +142,13 @@ def rank_stacks(logs: Path, frames: int = 6) -> str:
         where = [x.strip() for x in text[start:].splitlines()[1:] if x.startswith("  File ")][:frames]
         lines += [f"[rank{rank}]:stack: {x}" for x in where]
     return "".join(f"\n{x}" for x in lines)
+
+
+def rank_logs(logs: Path) -> list[tuple[int, Path]]:
+    """Each rank's stderr log under ``logs`` (torchrun's --log-dir), by rank:
+    torchrun writes them to ``<run id>/attempt_<n>/<rank>/stderr.log``."""
+    found = [(int(p.parent.name), p) for p in logs.glob("*/attempt_*/*/stderr.log")]
+    return sorted(found)
 
 
 def child_pids(pid: int) -> list[int]:

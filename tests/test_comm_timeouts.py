@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from _run import LLAMA3_CONFIG, REPO, alive, child_pids, finish, launch_test_module, module_launch, read_metrics
+from _run import (
+    LLAMA3_CONFIG, REPO, alive, child_pids, finish, launch_test_module, module_launch, rank_logs, read_metrics,
+)
 
 from torchtitan_autoparallel.distributed.runtime import startup_timeout
 from torchtitan_autoparallel.train import failures
@@ -91,7 +93,7 @@ def _wait_for_line(logs: Path, text: str, proc: subprocess.Popen, timeout: float
     """Until rank 0's torchrun log (under ``logs``) holds ``text``."""
     end = time.monotonic() + timeout
     while time.monotonic() < end and proc.poll() is None:
-        if any(text in p.read_text(errors="replace") for p in logs.glob("*/attempt_0/0/stderr.log")):
+        if any(text in p.read_text(errors="replace") for rank, p in rank_logs(logs) if rank == 0):
             return
         time.sleep(0.5)
     proc.kill()
