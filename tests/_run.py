@@ -113,9 +113,9 @@ def stop_hung(proc: subprocess.Popen) -> tuple[str, str]:
     """Stop a launch that ran past its timeout, keeping what it says about why.
 
     Each rank first prints its Python stacks (SIGUSR1, ``train/main.py``), then the
-    launcher is asked to stop (SIGTERM): torchrun then stops the ranks and flushes
-    their output, which a plain kill of the launcher would lose, and leave the ranks
-    running. Whatever still runs a minute later is killed.
+    launcher is asked to stop (SIGTERM), so that torchrun stops the ranks itself and
+    the launcher's ``stopped:`` line says so. Whatever still runs a minute later is
+    killed.
     """
     for rank in child_pids(proc.pid):
         _signal(rank, signal.SIGUSR1)
