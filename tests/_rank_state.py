@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -29,10 +30,17 @@ def main(out: Path) -> None:
         "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
         "root_log_handlers": len(logging.root.handlers),
+        "default_start_method": multiprocessing.get_start_method() == multiprocessing.get_all_start_methods()[0],
+        "parent_threads": _thread_names(os.getppid()),
     }
     (out / f"state{rank}.json").write_text(json.dumps(state))
     atexit.register(lambda: (out / f"exit_hook{rank}").write_text("ran"))
     print(f"rank {rank} reported", flush=True)
+
+
+def _thread_names(pid: int) -> list[str]:
+    """The names of ``pid``'s threads; torch names its store and torchrun threads ``pt_...``."""
+    return sorted({(task / "comm").read_text().strip() for task in Path(f"/proc/{pid}/task").iterdir()})
 
 
 if __name__ == "__main__":

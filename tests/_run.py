@@ -117,14 +117,14 @@ def stop_hung(proc: subprocess.Popen) -> tuple[str, str]:
     the launcher's ``stopped:`` line says so. Whatever still runs a minute later is
     killed.
     """
-    for rank in child_pids(proc.pid):
+    for rank in rank_pids(proc.pid):
         _signal(rank, signal.SIGUSR1)
     time.sleep(2)  # torchrun copies rank output to the console every 0.1 s
     proc.terminate()
     try:
         return proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
-        for pid in [*child_pids(proc.pid), proc.pid]:
+        for pid in [*rank_pids(proc.pid), *child_pids(proc.pid), proc.pid]:
             _signal(pid, signal.SIGKILL)
         return proc.communicate()
 
@@ -151,8 +151,22 @@ def rank_logs(logs: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def rank_pids(launcher: int) -> list[int]:
+    """The launcher's ranks: its children, or on one CPU host the children of its fork
+    server (``launch.start_fork_server``); the server and multiprocessing's resource
+    tracker are not ranks."""
+    ranks = []
+    for pid in child_pids(launcher):
+        command = _cmdline(pid)
+        if "multiprocessing.forkserver" in command:
+            ranks += child_pids(pid)
+        elif "multiprocessing." not in command:
+            ranks.append(pid)
+    return ranks
+
+
 def child_pids(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (the ranks, for the launcher)."""
+    """The processes whose parent is ``pid``."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         fields = _stat_fields(stat)
@@ -174,6 +188,13 @@ def _stat_fields(stat: Path) -> list[str]:
         return stat.read_text().rsplit(")", 1)[1].split()
     except OSError:
         return []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

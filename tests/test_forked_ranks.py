@@ -6,16 +6,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
-from _run import launch_test_module
+from _run import LAUNCHER, PYTHON, REPO, launch_test_module
 
 from torchtitan_autoparallel.train.launch import FORKED_RANK, rank_start
 
 
 def test_only_a_single_cpu_host_forks_its_ranks() -> None:
-    assert rank_start(0, ["--standalone", "--tee", "3"]) == ["--run-path", "--start-method", "fork", FORKED_RANK]
+    assert rank_start(0, ["--standalone", "--tee", "3"]) == ["--run-path", "--start-method", "forkserver", FORKED_RANK]
     assert Path(FORKED_RANK).is_file()
     assert rank_start(4, ["--standalone"]) == ["-m"]  # CUDA cannot be used across a fork
     assert rank_start(0, ["--nnodes", "2", "--rdzv-backend", "c10d"]) == ["-m"]
@@ -29,6 +30,20 @@ def test_a_bad_fork_setting_is_one_line(tmp_path: Path) -> None:
     assert run.stderr.strip().splitlines() == [
         "error: AUTOPARALLEL_FORK_RANKS='yes' is not accepted; accepted: 1 (fork CPU ranks, the default) or 0"
     ], run.stderr
+
+
+def test_a_refused_job_stops_the_fork_server(tmp_path: Path) -> None:
+    # the server starts importing the trainer before the check, which here refuses the
+    # job within a second; left alone it would hold the launcher's output open until
+    # its import is done, seconds later
+    env = {**os.environ, "NGPU": "2", "PYTHON": str(PYTHON)}
+    proc = subprocess.Popen([str(LAUNCHER), "--training.steps", "0", "--job.dump_folder", str(tmp_path)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.wait(timeout=180) == 2
+    exited = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert err.strip() == "error: training.steps = 0 is too small; accepted: >= 1", err
+    assert time.monotonic() - exited < 1.0, f"the output stayed open {time.monotonic() - exited:.1f} s after the exit"
 
 
 def _state_job(tmp_path: Path, fork: str) -> subprocess.CompletedProcess:
@@ -46,6 +61,10 @@ def test_a_forked_rank_starts_as_a_new_process_would(tmp_path: Path, fork: str) 
     share = max(1, len(os.sched_getaffinity(0)) // 2)
     for rank in (0, 1):
         state = json.loads((tmp_path / f"state{rank}.json").read_text())
+        # a forked rank's parent is the fork server, not the launcher, where torchrun's
+        # store and rendezvous threads run: a fork can copy a lock one of them holds
+        torchrun_threads = [x for x in state.pop("parent_threads") if x.startswith("pt_")]
+        assert bool(torchrun_threads) == (fork == "0"), (rank, torchrun_threads)
         assert state == {
             "forked": fork == "1",
             "own_session": True,  # a terminal's Ctrl-C reaches the launcher, which stops the ranks
@@ -54,6 +73,7 @@ def test_a_forked_rank_starts_as_a_new_process_would(tmp_path: Path, fork: str) 
             "sigterm_default": True,  # not the launcher's handler, which raises instead of ending
             "sigint_raises": True,
             "root_log_handlers": 0,
+            "default_start_method": True,  # not the fork server's, which would register its locks
         }, (rank, state)
         # runtime.exit_process ends a new process by os._exit, before any exit hook; a forked
         # rank returns to torchrun, and forked_rank.py runs the hooks the rank registered

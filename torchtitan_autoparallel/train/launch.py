@@ -8,7 +8,8 @@ the check for torchtitan's models) before any rank started: several seconds of
 a start-up that should take a few on a cached plan. Here they share one
 interpreter: the GPU count and the check happen first, and torchrun's own
 ``main`` then starts the ranks, exactly as ``python -m torch.distributed.run``.
-On a single CPU host it forks them (``forked_rank.py``), so that they too start
+On a single CPU host the ranks are forked (``forked_rank.py``) from a fork
+server that imports the trainer while the check runs, so that they start
 with all of that imported; GPU and multi-node jobs start new processes.
 
 With ``COMM_MODE=fake_backend`` no ranks are started: the module runs in this
@@ -18,8 +19,11 @@ process, playing rank 0 of NGPU ranks on a fake process group.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import runpy
+import signal
 import sys
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -34,6 +38,7 @@ CPU_DEFAULT_RANKS = 4
 TRAIN_MODULE = "torchtitan_autoparallel.train.main"
 FORK_ENV = "AUTOPARALLEL_FORK_RANKS"  # 0: start each CPU rank as a new process
 FORKED_RANK = str(Path(__file__).with_name("forked_rank.py"))  # torchrun's --run-path wants a path
+FORK_SERVER = "forkserver"  # the start method of forked CPU ranks
 USAGE = "usage: launch --ngpu N|auto [torchrun options] -- -m MODULE [ARGS...]"
 
 
@@ -46,14 +51,17 @@ def main(argv: list[str]) -> int:
         gpus = _gpu_count()
         ngpu = parse_ngpu(ngpu_arg) if ngpu_arg != "auto" else (gpus or CPU_DEFAULT_RANKS)
         fake = os.environ.get("COMM_MODE") == "fake_backend"
+        start = rank_start(gpus, torchrun_args, os.environ.get(FORK_ENV, "1"))
+        if gpus == 0:
+            share_cpu_cores(ngpu, os.environ)
+        if FORK_SERVER in start and not fake:
+            start_fork_server()
         if module == TRAIN_MODULE:
             check(load_config(module_args), ngpu, fake)
-        start = rank_start(gpus, torchrun_args, os.environ.get(FORK_ENV, "1"))
     except UserError as e:
+        stop_fork_server()
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if gpus == 0:
-        share_cpu_cores(ngpu, os.environ)
     if fake and module == TRAIN_MODULE:
         os.environ["NGPU"] = str(ngpu)
         sys.argv = [module, *module_args]
@@ -63,14 +71,41 @@ def main(argv: list[str]) -> int:
 
 
 def rank_start(gpus: int, torchrun_args: list[str], fork: str = "1") -> list[str]:
-    """torchrun's options that start each rank on MODULE: forked from this process
-    on one CPU host (``forked_rank.py``), a new ``python -m`` process otherwise or
-    when ``fork`` (``AUTOPARALLEL_FORK_RANKS``) is 0."""
+    """torchrun's options that start each rank on MODULE: forked from the fork server
+    on one CPU host (``forked_rank.py``, ``start_fork_server``), a new ``python -m``
+    process otherwise or when ``fork`` (``AUTOPARALLEL_FORK_RANKS``) is 0."""
     if fork not in ("0", "1"):
         raise ConfigError(f"{FORK_ENV}={fork!r} is not accepted; accepted: 1 (fork CPU ranks, the default) or 0")
     if fork == "1" and gpus == 0 and "--standalone" in torchrun_args:
-        return ["--run-path", "--start-method", "fork", FORKED_RANK]
+        return ["--run-path", "--start-method", FORK_SERVER, FORKED_RANK]
     return ["-m"]
+
+
+def start_fork_server() -> None:
+    """Start the process that forks the ranks; it imports the trainer while the check runs.
+
+    The ranks used to be forked from this process, once torchrun had started its
+    store servers and rendezvous threads here. A child forked while other threads
+    run can inherit a lock one of them held, the likeliest cause of the one CI run
+    whose last of 8 ranks never got past connecting to the store. Python's fork
+    server is a new interpreter that runs no thread of torchrun's. It is started
+    with the ranks' environment (their core share, ``LAUNCHER_ENV``), which it
+    passes on. It imports the trainer whatever the job's module is: that one may
+    not guard its ``main`` against being imported.
+    """
+    os.environ[failures.LAUNCHER_ENV] = "1"
+    multiprocessing.set_forkserver_preload([TRAIN_MODULE])
+    multiprocessing.forkserver.ensure_running()
+
+
+def stop_fork_server() -> None:
+    """Stop the fork server, if started, when no rank is to be forked: it ends by itself
+    only once its import is done, holding this process's output open until then (a
+    ``| tee`` would wait for it). multiprocessing has no public way to stop it."""
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    if pid:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def share_cpu_cores(ranks: int, env: MutableMapping[str, str]) -> None:
@@ -98,8 +133,6 @@ def _torchrun(args: list[str]) -> int:
     # its "closing signal SIGTERM" and "failed (exitcode: ...)" lines: the report says it
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.CRITICAL)  # the same, for forked ranks
-    sys.stdout.flush()  # a forked rank would print what is still buffered again
-    sys.stderr.flush()
     try:
         run(parse_args(args))
     except ChildFailedError as e:
