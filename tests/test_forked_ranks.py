@@ -3,6 +3,7 @@ start as a new process would, and a GPU or multi-node job must still start new o
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 from _run import LAUNCHER, PYTHON, REPO, launch_test_module
 
-from torchtitan_autoparallel.train.launch import FORKED_RANK, rank_start
+from torchtitan_autoparallel.train.launch import FORKED_RANK, RANK_IMPORTS, rank_start
 
 
 def test_only_a_single_cpu_host_forks_its_ranks() -> None:
@@ -30,6 +31,26 @@ def test_a_bad_fork_setting_is_one_line(tmp_path: Path) -> None:
     assert run.stderr.strip().splitlines() == [
         "error: AUTOPARALLEL_FORK_RANKS='yes' is not accepted; accepted: 1 (fork CPU ranks, the default) or 0"
     ], run.stderr
+
+
+def test_the_fork_server_imports_what_the_check_imports() -> None:
+    # ranks forked from the launcher inherited what its check imported; the fork server
+    # must import as much, or every rank pays for the rest
+    code = (
+        "import importlib, sys\n"
+        f"for m in {RANK_IMPORTS!r}: importlib.import_module(m)\n"
+        "before = set(sys.modules)\n"
+        "from torchtitan_autoparallel.config import load_config\n"
+        "from torchtitan_autoparallel.train.preflight import check\n"
+        "for name in ('llama3', 'qwen3'):\n"
+        "    check(load_config(['--job.config_file', f'train_configs/{name}_debugmodel.toml',\n"
+        "                       '--model.name', f'{name}_auto_parallel']), 2, False)\n"
+        "print(sorted(set(sys.modules) - before))\n"
+    )
+    out = subprocess.run([str(PYTHON), "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    added = [m for m in ast.literal_eval(out.stdout.strip().splitlines()[-1]) if not m.startswith("torchtitan_autoparallel.train.preflight")]
+    assert added == [], added
 
 
 def test_a_refused_job_stops_the_fork_server(tmp_path: Path) -> None:

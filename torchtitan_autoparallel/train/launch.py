@@ -39,6 +39,14 @@ TRAIN_MODULE = "torchtitan_autoparallel.train.main"
 FORK_ENV = "AUTOPARALLEL_FORK_RANKS"  # 0: start each CPU rank as a new process
 FORKED_RANK = str(Path(__file__).with_name("forked_rank.py"))  # torchrun's --run-path wants a path
 FORK_SERVER = "forkserver"  # the start method of forked CPU ranks
+# What the fork server imports for the ranks: the trainer and what the preflight check
+# imports inside its functions (``preflight.check``), which ranks forked from the
+# launcher used to inherit; each rank imports anything missing here itself.
+RANK_IMPORTS = [
+    TRAIN_MODULE, "torchtitan_autoparallel.execute.inflight", "torchtitan_autoparallel.models.registry",
+    "torchtitan_autoparallel.train.checkpoint", "torchtitan_autoparallel.train.setup",
+    "torchtitan_autoparallel.data.tokenizer", "torchtitan.models.llama3", "torchtitan.models.qwen3",
+]
 USAGE = "usage: launch --ngpu N|auto [torchrun options] -- -m MODULE [ARGS...]"
 
 
@@ -90,11 +98,11 @@ def start_fork_server() -> None:
     whose last of 8 ranks never got past connecting to the store. Python's fork
     server is a new interpreter that runs no thread of torchrun's. It is started
     with the ranks' environment (their core share, ``LAUNCHER_ENV``), which it
-    passes on. It imports the trainer whatever the job's module is: that one may
-    not guard its ``main`` against being imported.
+    passes on. It imports the trainer (``RANK_IMPORTS``) whatever the job's module
+    is: that one may not guard its ``main`` against being imported.
     """
     os.environ[failures.LAUNCHER_ENV] = "1"
-    multiprocessing.set_forkserver_preload([TRAIN_MODULE])
+    multiprocessing.set_forkserver_preload(RANK_IMPORTS)
     multiprocessing.forkserver.ensure_running()
 
 
