@@ -49,7 +49,8 @@ def test_the_fork_server_imports_what_the_check_imports() -> None:
     )
     out = subprocess.run([str(PYTHON), "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    added = [m for m in ast.literal_eval(out.stdout.strip().splitlines()[-1]) if not m.startswith("torchtitan_autoparallel.train.preflight")]
+    imported = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    added = [m for m in imported if not m.startswith("torchtitan_autoparallel.train.preflight")]
     assert added == [], added
 
 

@@ -18,8 +18,8 @@ multiprocessing start method, and any signal handler, logging handler or exit
 hook set while the server imported the trainer. At the end it runs the rank's
 own exit hooks, which a forked child would otherwise skip;
 ``runtime.exit_process`` returns to torchrun instead of ending the process, so
-that torchrun collects the rank's result. GPU and multi-node jobs
-keep separate processes (CUDA cannot be used across a fork).
+that torchrun collects the rank's result. GPU and multi-node jobs keep separate
+processes (CUDA cannot be used across a fork).
 """
 
 from __future__ import annotations
