@@ -24,8 +24,9 @@ from torchtitan_autoparallel.calibrate.fit import (
     fit_compute,
     fit_link,
     fit_step,
+    kept_from_base,
 )
-from torchtitan_autoparallel.calibrate.measure import KIB, MIB, default_settings, intra_node_dims
+from torchtitan_autoparallel.calibrate.measure import KIB, MIB, default_settings, device_memory_gib, intra_node_dims
 from torchtitan_autoparallel.planner.cost_model import COLLECTIVES, collective_time_us, compute_time_us
 from torchtitan_autoparallel.planner.profiles import PEAK_DTYPES, HardwareProfile, Link, load_profile
 from torchtitan_autoparallel.planner.step_terms import alloc_us, host_us, optimizer_us
@@ -102,6 +103,43 @@ def test_unmeasured_link_and_dtype_are_kept_from_the_base() -> None:
     # bf16 keeps its ratio to fp32 from the base profile.
     ratio = TRUE.peak_tflops["bfloat16"] / TRUE.peak_tflops["float32"]
     assert profile.peak_tflops["bfloat16"] == pytest.approx(profile.peak_tflops["float32"] * ratio, rel=1e-6)
+
+
+def test_measured_device_memory_replaces_the_bases_and_unmeasured_is_reported_kept() -> None:
+    """An H200 calibrated on the h100 profile kept H100's 80 GB; the memory torch reports wins."""
+    rng = np.random.default_rng(10)
+    compute, intra = fit_compute(_compute_samples(0.0, rng)), fit_link(_comm_samples(TRUE.intra_node, 8, 0.0, rng))
+    measured = build_profile("gpu", TRUE, compute, intra, None, devices_per_node=8, device_memory_gib=140.4)
+    assert measured.device_memory_gib == 140.4 and TRUE.device_memory_gib == pytest.approx(79.65, abs=0.01)
+    assert kept_from_base(intra, None, 140.4) == ["inter_node"]
+    unmeasured = build_profile("cpu", TRUE, compute, intra, None, devices_per_node=8)
+    assert unmeasured.device_memory_gib == TRUE.device_memory_gib
+    assert kept_from_base(intra, None, None) == ["inter_node", "device_memory_gib"]
+    assert kept_from_base(None, None, None) == ["intra_node", "inter_node", "device_memory_gib"]
+    assert device_memory_gib(torch.device("cpu")) is None  # CPU: nothing to measure, the base's is kept
+
+
+@pytest.mark.parametrize("memory", [140.4, None])
+def test_the_saved_profile_and_its_report_carry_the_device_memory(tmp_path: Path, capsys, memory) -> None:
+    from argparse import Namespace
+
+    from torchtitan_autoparallel.calibrate.__main__ import Measured, _fit_and_save
+
+    rng = np.random.default_rng(11)
+    host, opt = _step_samples(0.0, rng)
+    out = tmp_path / "profile.json"
+    measured = Measured(_compute_samples(0.0, rng), [], [], host, opt, memory)
+    _fit_and_save(Namespace(name="calibrated", out=str(out)), TRUE, measured, (1,), 8)
+    text = capsys.readouterr().out
+    samples = json.loads(out.with_suffix(".samples.json").read_text())
+    assert load_profile(str(out)).device_memory_gib == (memory or TRUE.device_memory_gib)
+    if memory is None:
+        assert samples["kept_from_base"]["fields"] == ["intra_node", "inter_node", "device_memory_gib"]
+        assert "kept from profile 'truth': intra_node, inter_node, device_memory_gib" in text, text
+        assert "device memory:" not in text
+    else:
+        assert samples["kept_from_base"]["fields"] == ["intra_node", "inter_node"]
+        assert "device memory: 140.4 GiB" in text and "kept from profile 'truth': intra_node, inter_node\n" in text
 
 
 def test_fit_errors_name_the_problem() -> None:
@@ -233,7 +271,10 @@ def test_real_two_rank_calibration_writes_a_loadable_profile(tmp_path: Path) -> 
     assert profile.host_us_per_node > 0
     assert profile.optimizer_us_per_tensor + profile.optimizer_us_per_element > 0
     samples = json.loads(out.with_suffix(".samples.json").read_text())
-    assert len(samples["comm_samples"]) == 8 and samples["kept_from_base"]["fields"] == ["inter_node"]
+    assert len(samples["comm_samples"]) == 8
+    # No device memory on CPU: cpu_gloo's (none) is kept, and said so.
+    assert samples["kept_from_base"]["fields"] == ["inter_node", "device_memory_gib"]
+    assert "kept from profile 'cpu_gloo': inter_node, device_memory_gib" in text, run.tail()
 
 
 def test_bad_mesh_shape_is_a_one_line_error() -> None:

@@ -204,7 +204,7 @@ def test_unknown_profile_message() -> None:
         load_profile("tpu_v9")
     msg = str(err.value)
     assert "\n" not in msg and "tpu_v9" in msg and ".json" in msg
-    assert all(name in msg for name in ("h100", "a100", "cpu_gloo"))
+    assert all(name in msg for name in ("h100", "h200", "a100", "cpu_gloo"))
 
 
 @pytest.fixture
@@ -249,12 +249,25 @@ def test_builtin_profiles_and_defaults() -> None:
     assert default_profile_name("cuda", False) == "h100"
     assert default_profile_name("cuda", False, "NVIDIA H100 80GB HBM3") == "h100"
     assert default_profile_name("cuda", False, "NVIDIA A100-SXM4-80GB") == "a100"
+    assert default_profile_name("cuda", False, "NVIDIA H200") == "h200"  # as torch named the lent one
+    assert default_profile_name("cuda", False, "NVIDIA GH200 480GB") == "h100"  # Grace Hopper: no H200
     assert default_profile_name("cuda", False, "NVIDIA L40S") == "h100"  # no built-in of its own
     assert default_profile_name("cpu", True, "NVIDIA A100-SXM4-80GB") == "h100"  # dry runs plan for H100s
     assert default_profile_name("cpu", True) == "h100"
     assert default_profile_name("cpu", False) == "cpu_gloo"
     cpu = load_profile("cpu_gloo")
     assert mesh_dim_links((4, 4, 4), cpu) == [cpu.intra_node] * 3
+
+
+def test_h200_is_an_h100_with_more_and_faster_memory() -> None:
+    h100, h200 = load_profile("h100"), load_profile("h200")
+    assert h200.device_memory_gib == pytest.approx(140.4, abs=0.01)  # nvidia-smi: 143,771 MiB
+    assert h200.mem_bandwidth_GBps == pytest.approx(4800.0)
+    assert h200.peak_tflops == h100.peak_tflops and h200.compute_efficiency == h100.compute_efficiency
+    assert (h200.intra_node, h200.inter_node) == (h100.intra_node, h100.inter_node)
+    # A copy-bound op is priced by the bandwidth: 3350 / 4800 of H100's time.
+    h100_us, h200_us = (compute_time_us(0.0, 1e10, torch.float32, p) - p.kernel_overhead_us for p in (h100, h200))
+    assert h200_us == pytest.approx(h100_us * 3350.0 / 4800.0, rel=1e-6)
 
 
 def test_a_gpu_run_prices_with_its_own_gpus_profile(monkeypatch, caplog) -> None:
@@ -266,7 +279,7 @@ def test_a_gpu_run_prices_with_its_own_gpus_profile(monkeypatch, caplog) -> None
     auto._warn_unprofiled_gpu.cache_clear()  # warned once per process: start from none
     runtime = SimpleNamespace(device_type="cuda", fake=False, device=torch.device("cuda", 0))
     for gpu, want, warned in (("NVIDIA A100-SXM4-80GB", "a100", False), ("NVIDIA H100 80GB HBM3", "h100", False),
-                              ("NVIDIA L40S", "h100", True)):
+                              ("NVIDIA H200", "h200", False), ("NVIDIA L40S", "h100", True)):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, gpu=gpu: gpu)
         caplog.clear()
         with caplog.at_level("WARNING", logger="torchtitan_autoparallel"):

@@ -3,8 +3,9 @@
 The shapes of LLaMA3-8B and 70B projections (8192 local tokens; every weight whole
 and cut 2, 4 and 8 ways as tensor parallelism cuts it, on its output or its input
 dim), forward only: the backward's two matmuls per projection have the same sizes
-transposed. Priced by ``cost_model.compute_time_us`` with the built-in ``h100``
-profile; timed with CUDA events over 20 calls after 3 warm-ups.
+transposed. Priced by ``cost_model.compute_time_us`` with the built-in profile of
+this GPU (``h100`` where it has none; the JSON's ``profile`` names it); timed with
+CUDA events over 20 calls after 3 warm-ups.
 
     python3 experiments/gpu/gemm_shapes.py --out gemm_shapes.json
 """
@@ -19,7 +20,7 @@ import torch
 
 from matmul_precision import mm_us  # beside this script
 from torchtitan_autoparallel.planner.cost_model import compute_time_us
-from torchtitan_autoparallel.planner.profiles import load_profile
+from torchtitan_autoparallel.planner.profiles import gpu_profile_name, load_profile
 
 TOKENS = 8192
 MODELS = {"8B": (4096, 14336, 1024), "70B": (8192, 28672, 1024)}  # dim, ffn hidden, kv dim
@@ -34,7 +35,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    profile = load_profile("h100")
+    # This GPU's own numbers (an H200's memory is faster than an H100's), as the trainer picks them.
+    profile_name = gpu_profile_name(torch.cuda.get_device_name()) or "h100"
+    profile = load_profile(profile_name)
     rows = []
     for model, dims in MODELS.items():
         for name, (k_full, n_full) in projections(*dims).items():
@@ -54,8 +57,8 @@ def main() -> None:
                "max_ratio": max(ratios)}
     print(summary)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "summary": summary,
-                   "rows": rows}, f, indent=2)
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "profile": profile_name,
+                   "summary": summary, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

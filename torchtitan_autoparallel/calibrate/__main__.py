@@ -112,6 +112,7 @@ def calibrate(args: argparse.Namespace, runtime) -> None:
     total = settings.steps + measure.comm_steps(shape, settings, pairs) + step_settings.steps
     progress = measure.Progress(total, show)
     compute = measure.measure_compute(settings, runtime.device, progress)
+    memory_gib = measure.device_memory_gib(runtime.device)
     host = measure_step.measure_host(step_settings, runtime.device, settings.repeats, progress, settings.window_s)
     names = tuple(f"dim{i}" for i in range(len(shape)))
     mesh = init_device_mesh(runtime.device_type, shape, mesh_dim_names=names)
@@ -123,7 +124,7 @@ def calibrate(args: argparse.Namespace, runtime) -> None:
         pair_mesh = init_device_mesh(runtime.device_type, (world // 2, 2), mesh_dim_names=("pair_outer", "pair"))
         pair_comm = measure.measure_comm(pair_mesh, settings, runtime.device, progress, dims=(1,))
     if show:
-        measured = Measured(compute, comm, pair_comm, host, optimizer)
+        measured = Measured(compute, comm, pair_comm, host, optimizer, memory_gib)
         _fit_and_save(args, base, measured, shape, devices_per_node)
     dist.barrier()
 
@@ -135,10 +136,11 @@ class Measured:
     pair_comm: list  # over groups of two ranks, all intra-node
     host: list
     optimizer: list
+    device_memory_gib: float | None = None  # None: not measured (CPU)
 
 
 def _fit_and_save(args, base, m: Measured, shape, devices_per_node) -> None:
-    from torchtitan_autoparallel.calibrate.fit import build_profile, fit_compute, fit_link, fit_step
+    from torchtitan_autoparallel.calibrate.fit import build_profile, fit_compute, fit_link, fit_step, kept_from_base
     from torchtitan_autoparallel.calibrate.measure import intra_node_dims
 
     intra_dims = intra_node_dims(shape, devices_per_node)
@@ -148,11 +150,12 @@ def _fit_and_save(args, base, m: Measured, shape, devices_per_node) -> None:
     intra_fit = fit_link(intra) if intra else None
     inter_fit = fit_link(inter) if inter else None
     step_fit = fit_step(m.host, m.optimizer, compute_fit.mem_bandwidth_GBps)
-    profile = build_profile(args.name, base, compute_fit, intra_fit, inter_fit, devices_per_node, step_fit)
+    profile = build_profile(args.name, base, compute_fit, intra_fit, inter_fit, devices_per_node, step_fit,
+                            m.device_memory_gib)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.to_json(out)
-    kept = [k for k, fit in (("intra_node", intra_fit), ("inter_node", inter_fit)) if fit is None]
+    kept = kept_from_base(intra_fit, inter_fit, m.device_memory_gib)
     sidecar = {
         "profile": profile.to_dict(),
         "mesh_shape": list(shape),
@@ -184,6 +187,8 @@ def _report(profile, compute_fit, intra_fit, inter_fit, step_fit, kept, base, ou
     note(f"optimizer (clip + AdamW): {step_fit.optimizer_us_per_tensor:.4g} us per tensor, "
          f"{step_fit.optimizer_us_per_element * 1e3:.3g} ns per local element, {step_fit.optimizer_fixed_us:.4g} us "
          f"per step (fit error {100 * step_fit.rel_rms['optimizer']:.1f}% rms)", True)
+    if "device_memory_gib" not in kept:
+        note(f"device memory: {profile.device_memory_gib:.4g} GiB (the smallest rank's, from torch.cuda)", True)
     if kept:
         note(f"not measured here, kept from profile {base.name!r}: {', '.join(kept)}", True)
     note(f"profile written to {out}; use it with --autoparallel.cost_profile {out}", True)

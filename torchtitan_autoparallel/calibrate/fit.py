@@ -198,11 +198,13 @@ def build_profile(
     inter: LinkFit | None,
     devices_per_node: int,
     step: StepFit | None = None,
+    device_memory_gib: float | None = None,
 ) -> HardwareProfile:
     """``base`` with every measured parameter replaced; what was not measured keeps base's value.
 
     A dtype not measured keeps base's peak scaled by the measured fp32 ratio,
-    so the dtypes stay in base's proportions.
+    so the dtypes stay in base's proportions. ``device_memory_gib``: one
+    device's memory as torch reports it (None on CPU, where base's is kept).
     """
     # Reached / base peak; without an fp32 timing, base's own efficiency (the profile's is now 1).
     if "float32" in compute.tflops:
@@ -220,8 +222,15 @@ def build_profile(
         intra_node=intra.link if intra else base.intra_node,
         inter_node=inter.link if inter else base.inter_node,
         devices_per_node=devices_per_node,
+        device_memory_gib=base.device_memory_gib if device_memory_gib is None else device_memory_gib,
         **(_step_fields(step) if step else {}),
     )
+
+
+def kept_from_base(intra: LinkFit | None, inter: LinkFit | None, device_memory_gib: float | None) -> list[str]:
+    """The fields ``build_profile`` keeps from its base, given the same fits and memory."""
+    unmeasured = (("intra_node", intra), ("inter_node", inter), ("device_memory_gib", device_memory_gib))
+    return [name for name, value in unmeasured if value is None]
 
 
 def _step_fields(step: StepFit) -> dict[str, float]:

@@ -181,6 +181,21 @@ def measure_compute(settings: Settings, device: torch.device, progress: Progress
     return samples
 
 
+def device_memory_gib(device: torch.device) -> float | None:
+    """One device's total memory in GiB, the smallest over the ranks; None where torch reports none (CPU).
+
+    The smallest, as a plan must fit on every device; read here, since a base
+    profile's figure is another GPU's (an H200 calibrated on the h100 profile
+    kept H100's 80 GB).
+    """
+    if device.type != "cuda":
+        return None
+    mine = torch.tensor([torch.cuda.get_device_properties(device).total_memory / 2**30], dtype=torch.float64,
+                        device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+    return float(mine.item())
+
+
 def _collective(kind: str, nbytes: int, n: int, group, device: torch.device) -> tuple[Callable[[], object], float]:
     """The call and the bytes the cost model charges it for (float32 buffers, sized to divide by n)."""
     full = max(n, nbytes // 4 // n * n)  # elements of the full buffer

@@ -186,7 +186,7 @@ class AutoParallel:
     # one call each, as FSDP and DDP do (execute/bucketing.py). Needs compile.
     bucket_collectives: bool = True
     plan_cache: bool = True  # reuse a plan (and compiled step) from <dump_folder>/plan_cache
-    cost_profile: str = "auto"  # h100, a100, cpu_gloo, or a calibrated .json profile; auto: by device
+    cost_profile: str = "auto"  # h100, h200, a100, cpu_gloo, or a calibrated .json profile; auto: by device
     export_problem: str = ""  # write the solver's problem (.npz) here for solver experiments
     report_warn_gib: float = 1.0  # plan.html warns of gathers materialising more per device
 

@@ -8,6 +8,7 @@ A profile is a frozen, hashable value so cost functions can be memoised on it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,21 @@ _H100 = HardwareProfile(
     device_memory_gib=81559 / 1024,  # 80 GB HBM3: nvidia-smi reports 81,559 MiB
 )
 
+# H200 SXM: an H100 SXM's compute with more and faster memory (141 GB HBM3e at 4.8 TB/s);
+# the same NVLink 4 and, on a DGX H200, the same 400 Gb/s port per GPU.  Sources: docs/cost_model.md.
+_H200 = HardwareProfile(
+    name="h200",
+    peak_tflops={"float32": 67.0, TF32: 494.7, "bfloat16": 989.4, "float16": 989.4},
+    mem_bandwidth_GBps=4800.0,
+    devices_per_node=8,
+    intra_node=Link(latency_us=3.0, bandwidth_GBps=450.0),  # NVLink4, 900 GB/s bidir
+    inter_node=Link(latency_us=8.0, bandwidth_GBps=50.0),  # NDR 400 Gb/s per GPU
+    compute_efficiency=0.70,
+    kernel_overhead_us=3.0,
+    # 141 GB HBM3e: nvidia-smi reported 143,771 MiB on the lent H200, torch 139.8 GiB (experiments/gpu)
+    device_memory_gib=143771 / 1024,
+)
+
 _A100 = HardwareProfile(
     name="a100",
     peak_tflops={"float32": 19.5, TF32: 156.0, "bfloat16": 312.0, "float16": 312.0},
@@ -170,7 +186,7 @@ _CPU_GLOO = HardwareProfile(
     kernel_overhead_us=10.0,
 )
 
-BUILTIN_PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (_H100, _A100, _CPU_GLOO)}
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (_H100, _H200, _A100, _CPU_GLOO)}
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
@@ -202,12 +218,13 @@ def for_matmul_precision(profile: HardwareProfile, precision: str | None = None)
 
 
 # GPU names (as torch.cuda.get_device_name has them) -> their built-in profile.
-_GPU_PROFILES = {"H100": "h100", "H200": "h100", "A100": "a100"}
+_GPU_PROFILES = {"H100": "h100", "H200": "h200", "A100": "a100"}
 
 
 def gpu_profile_name(device_name: str) -> str | None:
     """The built-in profile of the GPU called ``device_name``, or None where it has none."""
-    return next((profile for gpu, profile in _GPU_PROFILES.items() if gpu in device_name), None)
+    # a whole word: a GH200 (Grace Hopper, 96 or 144 GB) is no H200
+    return next((profile for gpu, profile in _GPU_PROFILES.items() if re.search(rf"\b{gpu}\b", device_name)), None)
 
 
 def default_profile_name(device_type: str, fake_backend: bool, device_name: str = "") -> str:
