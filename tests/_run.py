@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchtitan_autoparallel.train.launch import SERVER_NAME
+
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 LAUNCHER = REPO / "run_train.sh"
@@ -153,12 +155,12 @@ def rank_logs(logs: Path) -> list[tuple[int, Path]]:
 
 def rank_pids(launcher: int) -> list[int]:
     """The launcher's ranks: its children, or on one CPU host the children of its fork
-    server (``launch.start_fork_server``); the server and multiprocessing's resource
-    tracker are not ranks."""
+    server (``launch.start_fork_server``: forked, named ``SERVER_NAME``, or Python's
+    own); the server and multiprocessing's resource tracker are not ranks."""
     ranks = []
     for pid in child_pids(launcher):
         command = _cmdline(pid)
-        if "multiprocessing.forkserver" in command:
+        if _comm(pid) == SERVER_NAME or "multiprocessing.forkserver" in command:
             ranks += child_pids(pid)
         elif "multiprocessing." not in command:
             ranks.append(pid)
@@ -188,6 +190,13 @@ def _stat_fields(stat: Path) -> list[str]:
         return stat.read_text().rsplit(")", 1)[1].split()
     except OSError:
         return []
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _cmdline(pid: int) -> str:

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from _run import LAUNCHER, PYTHON, REPO, launch_test_module
 
-from torchtitan_autoparallel.train.launch import FORKED_RANK, RANK_IMPORTS, rank_start
+from torchtitan_autoparallel.train import launch
+from torchtitan_autoparallel.train.failures import LAUNCHER_ENV
+from torchtitan_autoparallel.train.launch import FORKED_RANK, RANK_IMPORTS, SERVER_NAME, rank_start
 
 
 def test_only_a_single_cpu_host_forks_its_ranks() -> None:
@@ -22,6 +24,22 @@ def test_only_a_single_cpu_host_forks_its_ranks() -> None:
     assert rank_start(4, ["--standalone"]) == ["-m"]  # CUDA cannot be used across a fork
     assert rank_start(0, ["--nnodes", "2", "--rdzv-backend", "c10d"]) == ["-m"]
     assert rank_start(0, ["--standalone"], fork="0") == ["-m"]
+
+
+def test_the_fork_server_is_forked_only_while_no_other_thread_runs(monkeypatch) -> None:
+    # a fork beside a running Python thread can copy a lock it holds: then Python's own
+    # server, a new interpreter, is started instead
+    started = []
+    monkeypatch.setattr(launch, "_fork_fork_server", lambda: started.append("forked"))
+    monkeypatch.setattr(launch.multiprocessing.forkserver, "ensure_running", lambda: started.append("ensured"))
+    monkeypatch.setattr(launch.multiprocessing.forkserver._forkserver, "_preload_modules", [])
+    monkeypatch.setenv(LAUNCHER_ENV, "0")
+    for threads, expected in ((1, ["forked", "ensured"]), (2, ["ensured"])):
+        started.clear()
+        monkeypatch.setattr(launch.threading, "active_count", lambda n=threads: n)
+        launch.start_fork_server()
+        assert started == expected, threads
+    assert os.environ[LAUNCHER_ENV] == "1"  # passed on to the ranks through the server
 
 
 def test_a_bad_fork_setting_is_one_line(tmp_path: Path) -> None:
@@ -54,10 +72,10 @@ def test_the_fork_server_imports_what_the_check_imports() -> None:
     assert added == [], added
 
 
-def test_a_refused_job_stops_the_fork_server(tmp_path: Path) -> None:
-    # the server starts importing the trainer before the check, which here refuses the
-    # job within a second; left alone it would hold the launcher's output open until
-    # its import is done, seconds later
+def test_a_refused_job_leaves_no_process_holding_its_output(tmp_path: Path) -> None:
+    # the fork server is started only once the check has passed: a server started
+    # earlier, as Python's own once was, held the launcher's output open until its
+    # import of the trainer was done, seconds after the one-line refusal
     env = {**os.environ, "NGPU": "2", "PYTHON": str(PYTHON)}
     proc = subprocess.Popen([str(LAUNCHER), "--training.steps", "0", "--job.dump_folder", str(tmp_path)],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -87,6 +105,11 @@ def test_a_forked_rank_starts_as_a_new_process_would(tmp_path: Path, fork: str) 
         # store and rendezvous threads run: a fork can copy a lock one of them holds
         torchrun_threads = [x for x in state.pop("parent_threads") if x.startswith("pt_")]
         assert bool(torchrun_threads) == (fork == "0"), (rank, torchrun_threads)
+        # the server forked from the launcher (no second import of the trainer), whose
+        # name each rank sheds for the one a new process has
+        parent_name = state.pop("parent_name")
+        assert (parent_name == SERVER_NAME) == (fork == "1"), (rank, parent_name)
+        assert state.pop("name") == Path(PYTHON).name, rank
         assert state == {
             "forked": fork == "1",
             "own_session": True,  # a terminal's Ctrl-C reaches the launcher, which stops the ranks

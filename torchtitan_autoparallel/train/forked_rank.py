@@ -4,18 +4,18 @@
 
 Each rank used to start a new interpreter and import torch, torchtitan and this
 package again, about 5 s of CPU per rank. On CPU hosts, where ranks share a few
-cores, the launcher instead starts Python's fork server, which imports the
-trainer once while the launcher runs its preflight check; torchrun has the server
-fork each rank (its ``--run-path`` runs this file in the child), and the ranks
-start with everything imported. The server is a new interpreter that runs none
-of torchrun's threads, so a rank cannot inherit a lock one of them held
-(``launch.start_fork_server``).
+cores, the launcher instead forks a fork server once its preflight check has
+imported the trainer, before torchrun starts; torchrun has the server fork each
+rank (its ``--run-path`` runs this file in the child), and the ranks start with
+everything imported. The server runs none of torchrun's threads, so a rank
+cannot inherit a lock one of them held (``launch.start_fork_server``).
 
 A forked child inherits more than modules, so this file undoes what a new
 process would not have: the launcher's session (torchrun starts each rank in
 its own, so a terminal's Ctrl-C reaches the launcher only), the server's
-multiprocessing start method, and any signal handler, logging handler or exit
-hook set while the server imported the trainer. At the end it runs the rank's
+process name and multiprocessing start method, any signal handler, logging
+handler or exit hook set before the fork, and thread counts fixed when torch
+was loaded, before the launcher chose each rank's share of the cores. At the end it runs the rank's
 own exit hooks, which a forked child would otherwise skip;
 ``runtime.exit_process`` returns to torchrun instead of ending the process, so
 that torchrun collects the rank's result. GPU and multi-node jobs keep separate
@@ -32,12 +32,15 @@ import runpy
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 from torchtitan_autoparallel.distributed.runtime import FORKED_RANK_ENV
+from torchtitan_autoparallel.train.launch import name_process
 
 
 def _fresh_process_state() -> None:
     os.environ[FORKED_RANK_ENV] = "1"
+    name_process(Path(sys.executable).name)  # not the fork server's name
     os.setsid()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
@@ -52,6 +55,28 @@ def _fresh_process_state() -> None:
     # a new interpreter is unbuffered under torchrun (``python -u``)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+    _share_threads()
+
+
+def _share_threads() -> None:
+    """OpenMP and Inductor read their thread counts when they load, in the launcher,
+    before it chose this rank's share (``launch.share_cpu_cores``)."""
+    import torch
+
+    threads = _count("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(threads)
+    compile_threads = _count("TORCHINDUCTOR_COMPILE_THREADS")
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if compile_threads and inductor_config is not None:
+        inductor_config.compile_threads = compile_threads
+
+
+def _count(name: str) -> int:
+    """A positive count from the environment; 0 for unset or unreadable, which
+    OpenMP too ignores."""
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else 0
 
 
 def main() -> None:

@@ -9,8 +9,8 @@ a start-up that should take a few on a cached plan. Here they share one
 interpreter: the GPU count and the check happen first, and torchrun's own
 ``main`` then starts the ranks, exactly as ``python -m torch.distributed.run``.
 On a single CPU host the ranks are forked (``forked_rank.py``) from a fork
-server that imports the trainer while the check runs, so that they start
-with all of that imported; GPU and multi-node jobs start new processes.
+server forked from this process after the check, so that they start with all
+of that imported; GPU and multi-node jobs start new processes.
 
 With ``COMM_MODE=fake_backend`` no ranks are started: the module runs in this
 process, playing rank 0 of NGPU ranks on a fake process group.
@@ -18,15 +18,21 @@ process, playing rank 0 of NGPU ranks on a fake process group.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import runpy
-import signal
+import socket
 import sys
+import threading
+import traceback
 from collections.abc import MutableMapping
 from pathlib import Path
+from typing import NoReturn
 
 from torchtitan_autoparallel.config import load_config
 from torchtitan_autoparallel.config.help import help_for, wants_help
@@ -39,9 +45,12 @@ TRAIN_MODULE = "torchtitan_autoparallel.train.main"
 FORK_ENV = "AUTOPARALLEL_FORK_RANKS"  # 0: start each CPU rank as a new process
 FORKED_RANK = str(Path(__file__).with_name("forked_rank.py"))  # torchrun's --run-path wants a path
 FORK_SERVER = "forkserver"  # the start method of forked CPU ranks
+SERVER_NAME = "tap-forkserver"  # the fork server's process name (``pgrep -x``)
+PR_SET_NAME = 15  # prctl(2)
 # What the fork server imports for the ranks: the trainer and what the preflight check
-# imports inside its functions (``preflight.check``), which ranks forked from the
-# launcher used to inherit; each rank imports anything missing here itself.
+# imports inside its functions (``preflight.check``). A server forked after the check has
+# most of it already; one that is not (another module's job, or Python's own server)
+# imports it all, and each rank imports anything missing here itself.
 RANK_IMPORTS = [
     TRAIN_MODULE, "torchtitan_autoparallel.execute.inflight", "torchtitan_autoparallel.models.registry",
     "torchtitan_autoparallel.train.checkpoint", "torchtitan_autoparallel.train.setup",
@@ -62,14 +71,13 @@ def main(argv: list[str]) -> int:
         start = rank_start(gpus, torchrun_args, os.environ.get(FORK_ENV, "1"))
         if gpus == 0:
             share_cpu_cores(ngpu, os.environ)
-        if FORK_SERVER in start and not fake:
-            start_fork_server()
         if module == TRAIN_MODULE:
             check(load_config(module_args), ngpu, fake)
     except UserError as e:
-        stop_fork_server()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if FORK_SERVER in start and not fake:
+        start_fork_server()
     if fake and module == TRAIN_MODULE:
         os.environ["NGPU"] = str(ngpu)
         sys.argv = [module, *module_args]
@@ -90,30 +98,74 @@ def rank_start(gpus: int, torchrun_args: list[str], fork: str = "1") -> list[str
 
 
 def start_fork_server() -> None:
-    """Start the process that forks the ranks; it imports the trainer while the check runs.
+    """Start the process that forks the ranks, with the trainer imported.
 
-    The ranks used to be forked from this process, once torchrun had started its
-    store servers and rendezvous threads here. A child forked while other threads
+    The ranks used to be forked from this process once torchrun had started its
+    store servers and rendezvous threads here; a child forked while other threads
     run can inherit a lock one of them held, the likeliest cause of the one CI run
-    whose last of 8 ranks never got past connecting to the store. Python's fork
-    server is a new interpreter that runs no thread of torchrun's. It is started
-    with the ranks' environment (their core share, ``LAUNCHER_ENV``), which it
-    passes on. It imports the trainer (``RANK_IMPORTS``) whatever the job's module
-    is: that one may not guard its ``main`` against being imported.
+    whose last of 8 ranks never got past connecting to the store. The fork server
+    runs no thread of torchrun's. It is forked from this process before torchrun
+    starts, when the check has imported the trainer and no other Python thread
+    runs, so nothing is imported twice. (numpy's OpenBLAS keeps a thread here, but
+    stops it for the length of every fork.) Where another Python thread runs,
+    Python's own fork server, a new interpreter that imports the trainer again
+    (``RANK_IMPORTS``), is started instead. Either passes on this process's
+    environment: the ranks' core share and ``LAUNCHER_ENV``.
     """
     os.environ[failures.LAUNCHER_ENV] = "1"
     multiprocessing.set_forkserver_preload(RANK_IMPORTS)
-    multiprocessing.forkserver.ensure_running()
+    if threading.active_count() == 1:
+        _fork_fork_server()
+    multiprocessing.forkserver.ensure_running()  # a no-op when the fork above started it
 
 
-def stop_fork_server() -> None:
-    """Stop the fork server, if started, when no rank is to be forked: it ends by itself
-    only once its import is done, holding this process's output open until then (a
-    ``| tee`` would wait for it). multiprocessing has no public way to stop it."""
-    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
-    if pid:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+def _fork_fork_server() -> None:
+    """Fork the fork server from here, and register it where multiprocessing looks for it.
+
+    multiprocessing has no public way to adopt a server it did not start; its own
+    ``ensure_running`` leaves a running one alone, and sets up the rest (the resource
+    tracker, after this fork, so that the server does not hold the tracker's pipe).
+    """
+    server = multiprocessing.forkserver._forkserver
+    listener = socket.socket(socket.AF_UNIX)
+    address = multiprocessing.connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    if not multiprocessing.util.is_abstract_socket_namespace(address):
+        os.chmod(address, 0o600)  # only this user's processes may ask for a fork
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # the server ends when every holder of alive_w has
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(alive_w)
+        _serve_forks(listener.fileno(), alive_r)
+    os.close(alive_r)
+    listener.close()
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+def _serve_forks(listener_fd: int, alive_r: int) -> NoReturn:
+    """The forked server's life: multiprocessing's server loop, until the launcher ends."""
+    code = 0
+    try:
+        name_process(SERVER_NAME)
+        multiprocessing.forkserver.main(listener_fd, alive_r, RANK_IMPORTS)
+    except SystemExit:
+        pass
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)  # never this process's exit hooks: they are the launcher's
+
+
+def name_process(name: str) -> None:
+    """Show ``name`` for this process in ps and pgrep (a forked one's command line stays the launcher's)."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode())
+    except (OSError, AttributeError):
+        pass
 
 
 def share_cpu_cores(ranks: int, env: MutableMapping[str, str]) -> None:
