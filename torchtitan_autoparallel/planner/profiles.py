@@ -144,18 +144,13 @@ _H100 = HardwareProfile(
     device_memory_gib=81559 / 1024,  # 80 GB HBM3: nvidia-smi reports 81,559 MiB
 )
 
-# H200 SXM: an H100 SXM's compute with more and faster memory (141 GB HBM3e at 4.8 TB/s);
-# the same NVLink 4 and, on a DGX H200, the same 400 Gb/s port per GPU.  Sources: docs/cost_model.md.
-_H200 = HardwareProfile(
+# H200 SXM: an H100 SXM's compute, NVLink 4 and (DGX H200) 400 Gb/s port per GPU, with more
+# and faster memory: 141 GB HBM3e at 4.8 TB/s.  Sources: docs/cost_model.md.
+_H200 = replace(
+    _H100,
     name="h200",
-    peak_tflops={"float32": 67.0, TF32: 494.7, "bfloat16": 989.4, "float16": 989.4},
     mem_bandwidth_GBps=4800.0,
-    devices_per_node=8,
-    intra_node=Link(latency_us=3.0, bandwidth_GBps=450.0),  # NVLink4, 900 GB/s bidir
-    inter_node=Link(latency_us=8.0, bandwidth_GBps=50.0),  # NDR 400 Gb/s per GPU
-    compute_efficiency=0.70,
-    kernel_overhead_us=3.0,
-    # 141 GB HBM3e: nvidia-smi reported 143,771 MiB on the lent H200, torch 139.8 GiB (experiments/gpu)
+    # nvidia-smi reported 143,771 MiB on the lent H200, torch 139.8 GiB (experiments/gpu)
     device_memory_gib=143771 / 1024,
 )
 
