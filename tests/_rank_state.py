@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _run import process_name  # tests/ is on the ranks' path
 
 from torchtitan_autoparallel.distributed.runtime import FORKED_RANK_ENV, exit_process
 
@@ -32,8 +33,8 @@ def main(out: Path) -> None:
         "root_log_handlers": len(logging.root.handlers),
         "default_start_method": multiprocessing.get_start_method() == multiprocessing.get_all_start_methods()[0],
         "parent_threads": _thread_names(os.getppid()),
-        "name": _process_name(os.getpid()),
-        "parent_name": _process_name(os.getppid()),
+        "name": process_name(os.getpid()),
+        "parent_name": process_name(os.getppid()),
     }
     (out / f"state{rank}.json").write_text(json.dumps(state))
     atexit.register(lambda: (out / f"exit_hook{rank}").write_text("ran"))
@@ -43,10 +44,6 @@ def main(out: Path) -> None:
 def _thread_names(pid: int) -> list[str]:
     """The names of ``pid``'s threads; torch names its store and torchrun threads ``pt_...``."""
     return sorted({(task / "comm").read_text().strip() for task in Path(f"/proc/{pid}/task").iterdir()})
-
-
-def _process_name(pid: int) -> str:
-    return Path(f"/proc/{pid}/comm").read_text().strip()
 
 
 if __name__ == "__main__":

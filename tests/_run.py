@@ -160,7 +160,7 @@ def rank_pids(launcher: int) -> list[int]:
     ranks = []
     for pid in child_pids(launcher):
         command = _cmdline(pid)
-        if _comm(pid) == SERVER_NAME or "multiprocessing.forkserver" in command:
+        if process_name(pid) == SERVER_NAME or "multiprocessing.forkserver" in command:
             ranks += child_pids(pid)
         elif "multiprocessing." not in command:
             ranks.append(pid)
@@ -192,7 +192,8 @@ def _stat_fields(stat: Path) -> list[str]:
         return []
 
 
-def _comm(pid: int) -> str:
+def process_name(pid: int) -> str:
+    """``pid``'s name, as ps shows it; "" for a process that is gone."""
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:

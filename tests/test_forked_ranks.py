@@ -52,8 +52,8 @@ def test_a_bad_fork_setting_is_one_line(tmp_path: Path) -> None:
 
 
 def test_the_fork_server_imports_what_the_check_imports() -> None:
-    # ranks forked from the launcher inherited what its check imported; the fork server
-    # must import as much, or every rank pays for the rest
+    # a server forked after the check holds what it imported; one that is not (another
+    # module's job, or Python's own server) must import as much, or every rank pays for the rest
     code = (
         "import importlib, sys\n"
         f"for m in {RANK_IMPORTS!r}: importlib.import_module(m)\n"
