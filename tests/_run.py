@@ -275,6 +275,8 @@ def train(
     run = run_launcher(args, ngpu=ngpu, config=CONFIGS[model], timeout=timeout)
     assert run.returncode == 0, f"training run failed\n{run.tail()}"
     assert "Traceback" not in run.stdout + run.stderr, f"traceback in a successful run\n{run.tail()}"
+    # runpy's warning that a forked rank already held the trainer (launch.run_as_main)
+    assert "found in sys.modules" not in run.stdout + run.stderr, run.tail()
     return read_metrics(dump_folder)
 
 

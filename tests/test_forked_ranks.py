@@ -72,6 +72,21 @@ def test_the_fork_server_imports_what_the_check_imports() -> None:
     assert added == [], added
 
 
+def test_the_trainer_runs_as_main_without_runpy_warning_of_its_earlier_import() -> None:
+    # the check and the fork server's preload import the trainer before it runs as __main__
+    code = (
+        "import sys\n"
+        f"import {launch.TRAIN_MODULE}\n"
+        "from torchtitan_autoparallel.train.launch import run_as_main\n"
+        "sys.argv = ['main', '--help']\n"
+        f"run_as_main({launch.TRAIN_MODULE!r})\n"
+    )
+    out = subprocess.run([str(PYTHON), "-W", "error::RuntimeWarning", "-c", code], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("usage:"), out.stdout[:500]
+
+
 def test_a_refused_job_leaves_no_process_holding_its_output(tmp_path: Path) -> None:
     # the fork server is started only once the check has passed: a server started
     # earlier, as Python's own once was, held the launcher's output open until its

@@ -28,14 +28,13 @@ import atexit
 import logging
 import multiprocessing
 import os
-import runpy
 import signal
 import sys
 import traceback
 from pathlib import Path
 
 from torchtitan_autoparallel.distributed.runtime import FORKED_RANK_ENV
-from torchtitan_autoparallel.train.launch import name_process
+from torchtitan_autoparallel.train.launch import name_process, run_as_main
 
 
 def _fresh_process_state() -> None:
@@ -84,7 +83,7 @@ def main() -> None:
     _fresh_process_state()
     sys.argv = [module, *args]
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        run_as_main(module)
     except SystemExit:
         raise
     except BaseException:

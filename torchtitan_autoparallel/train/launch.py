@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
     if fake and module == TRAIN_MODULE:
         os.environ["NGPU"] = str(ngpu)
         sys.argv = [module, *module_args]
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        run_as_main(module)
         return 0  # the module exits itself; reached only if it returns
     return _torchrun(["--nproc-per-node", str(ngpu), *torchrun_args, *start, module, *module_args])
 
@@ -158,6 +158,15 @@ def _serve_forks(listener_fd: int, alive_r: int) -> NoReturn:
         code = 1
     finally:
         os._exit(code)  # never this process's exit hooks: they are the launcher's
+
+
+def run_as_main(module: str) -> None:
+    """Run MODULE as ``python -m MODULE`` would. The preflight check, and the fork
+    server's preload, imported it only for its imports; a new interpreter would not
+    hold it yet, and runpy warns of that first copy (a RuntimeWarning at the top of
+    every job's output), so it is dropped first."""
+    sys.modules.pop(module, None)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def name_process(name: str) -> None:
