@@ -26,7 +26,7 @@ from torchtitan_autoparallel.planner.profiles import Link, load_profile
 from torchtitan_autoparallel.planner.step_terms import add_step_terms
 from torchtitan_autoparallel.report.common import predicted_step_us
 from torchtitan_autoparallel.train.metrics import MetricsLogger, Peak
-from torchtitan_autoparallel.train.plan_check import WARMUP_STEPS, PlanCheck
+from torchtitan_autoparallel.train.plan_check import CALIBRATE_HINT, WARMUP_STEPS, PlanCheck
 
 PLAN_TAGS = {"plan/predicted_compute_ms", "plan/predicted_comm_ms", "plan/predicted_overlap_ms", "plan/predicted_step_ms",
              "plan/predicted_host_ms", "plan/predicted_alloc_ms", "plan/predicted_optimizer_ms"}
@@ -68,6 +68,17 @@ def test_measured_is_the_median_after_the_warm_up_steps() -> None:
     assert "median of steps 3-4" in check.summary() and "measured/predicted 2.00" in check.summary()
     check.add_step(0.9)  # one step slowed by other work moves the median, not to 0.303 s as a mean would
     assert check.fields()["measured_step_s"] == pytest.approx(0.005)
+
+
+@pytest.mark.parametrize("step_s,hinted", [(0.004, False), (0.001, False), (0.0041, True), (0.00099, True)])
+def test_a_step_far_from_the_plan_names_the_calibrator(step_s: float, hinted: bool) -> None:
+    # within 2x either way of the 2 ms prediction the summary is the plain ratio
+    check = PlanCheck.of(_toy_plan())
+    for seconds in (9.0, 5.0, step_s):
+        check.add_step(seconds)
+    summary = check.summary()
+    assert (CALIBRATE_HINT in summary) == hinted, summary
+    assert summary.endswith(f"measured/predicted {step_s / 2e-3:.2f}" + (f"; {CALIBRATE_HINT}" if hinted else ""))
 
 
 def test_gradient_accumulation_repeats_all_but_the_optimizer() -> None:

@@ -27,6 +27,11 @@ from torchtitan_autoparallel.planner.plan import Plan
 from torchtitan_autoparallel.planner.step_terms import StepTerms, alloc_us, host_us, plan_terms
 
 WARMUP_STEPS = 2
+# A measured step this far from the prediction, either way, points at the cost profile's
+# rates rather than at the plan's shape: the summary then names the calibrator.
+HINT_FACTOR = 2.0
+CALIBRATE_HINT = ("the cost profile's rates may not be this machine's; `CALIBRATE=1 NGPU=<ranks> ./run_train.sh "
+                  "--out profile.json` measures them, `--autoparallel.cost_profile profile.json` uses them")
 # StepTerms field -> metrics key stem (predicted_<stem>_s)
 _TERM_KEYS = {"compute_us": "compute", "comm_us": "comm", "overlap_savings_us": "overlap",
               "host_us": "host", "optimizer_us": "optimizer", "alloc_us": "alloc"}
@@ -103,9 +108,11 @@ class PlanCheck:
             )
         n = len(self.step_seconds) - WARMUP_STEPS
         f = self.fields()
+        ratio = f["measured_over_predicted"]
+        hint = "" if 1 / HINT_FACTOR <= ratio <= HINT_FACTOR else f"; {CALIBRATE_HINT}"
         return (
             f"{predicted}, measured {measured * 1e3:.3f} ms/step "
-            f"(median of steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + n}), measured/predicted {f['measured_over_predicted']:.2f}"
+            f"(median of steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + n}), measured/predicted {ratio:.2f}{hint}"
         )
 
 
