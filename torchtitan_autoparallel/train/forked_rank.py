@@ -15,11 +15,11 @@ process would not have: the launcher's session (torchrun starts each rank in
 its own, so a terminal's Ctrl-C reaches the launcher only), the server's
 process name and multiprocessing start method, any signal handler, logging
 handler or exit hook set before the fork, and thread counts fixed when torch
-was loaded, before the launcher chose each rank's share of the cores. At the end it runs the rank's
-own exit hooks, which a forked child would otherwise skip;
-``runtime.exit_process`` returns to torchrun instead of ending the process, so
-that torchrun collects the rank's result. GPU and multi-node jobs keep separate
-processes (CUDA cannot be used across a fork).
+was loaded, before the launcher chose each rank's share of the cores. At the
+end it runs the rank's own exit hooks, which a forked child would otherwise
+skip; ``runtime.exit_process`` returns to torchrun instead of ending the
+process, so that torchrun collects the rank's result. GPU and multi-node jobs
+keep separate processes (CUDA cannot be used across a fork).
 """
 
 from __future__ import annotations
