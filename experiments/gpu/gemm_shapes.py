@@ -20,7 +20,7 @@ import torch
 
 from matmul_precision import mm_us  # beside this script
 from torchtitan_autoparallel.planner.cost_model import compute_time_us
-from torchtitan_autoparallel.planner.profiles import gpu_profile_name, load_profile
+from torchtitan_autoparallel.planner.profiles import default_profile_name, load_profile
 
 TOKENS = 8192
 MODELS = {"8B": (4096, 14336, 1024), "70B": (8192, 28672, 1024)}  # dim, ffn hidden, kv dim
@@ -36,7 +36,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     # This GPU's own numbers (an H200's memory is faster than an H100's), as the trainer picks them.
-    profile_name = gpu_profile_name(torch.cuda.get_device_name()) or "h100"
+    profile_name = default_profile_name("cuda", False, torch.cuda.get_device_name())
     profile = load_profile(profile_name)
     rows = []
     for model, dims in MODELS.items():

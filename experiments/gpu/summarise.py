@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan_autoparallel.planner.profiles import BUILTIN_PROFILES, TF32
+from torchtitan_autoparallel.planner.profiles import BUILTIN_PROFILES, TF32, default_profile_name
 
 HERE = Path(__file__).resolve().parent
 
@@ -48,7 +48,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("gpu", nargs="?", default="h100", help="the GPU's tag, as in results/<gpu>")
     s = summary_for(p.parse_args().gpu)
-    name = s.gpu if s.gpu in BUILTIN_PROFILES else "h100"  # what the trainer plans a GPU without one with
+    name = default_profile_name("cuda", False, s.gpu.upper())  # as the trainer picks it for this GPU
     builtin = BUILTIN_PROFILES[name].to_dict()  # as built in, whatever this process's matmul precision
     rows = {f"built-in {name}": effective(builtin)}
     rows[f"built-in {name}"][f"{TF32} TFLOP/s"] = builtin["peak_tflops"][TF32] * builtin["compute_efficiency"]
