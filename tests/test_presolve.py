@@ -312,7 +312,7 @@ def test_tied_chained_blocks_reduce_to_one_block() -> None:
 
 
 def _wide_problem(seed: int) -> Problem:
-    """Nodes with more strategies than ``DOMINANCE_PROBES`` columns, many of them
+    """Nodes with more strategies than ``kernels.SCAN_BLOCK`` columns, many of them
     near-copies of another strategy, so that dominance has pairs to decide."""
     rng = np.random.default_rng(seed)
     k = np.array([24, 20, 30, 18])
@@ -381,16 +381,27 @@ def test_min_plus_equals_the_block_min_and_argmin(shape: tuple[int, int, int]) -
 @pytest.mark.parametrize("copies", [1, 2, 7, 8, 9, 16, 63, 128, 129, 137, 160, 300])
 def test_repeated_tables_sum_as_reduceat_sums_them(copies: int) -> None:
     """Parallel edges that repeat one table (stacked layers) are summed from the
-    count alone, with the very bits ``np.add.reduceat`` gives the stacked copies."""
-    from torchtitan_autoparallel.planner.solvers.collapse import _repeated_sum
+    count alone, with the very bits ``np.add.reduceat`` gives the stacked copies,
+    either way round."""
+    from torchtitan_autoparallel.planner import sums
 
     x = np.random.default_rng(copies).uniform(0, 1e3, size=(5, 3)) / 7.0  # inexact sums
     stacked = np.add.reduceat(np.stack([x] * copies), [0])[0]
-    got = _repeated_sum(x, copies, {})
-    assert got.tobytes() == stacked.tobytes()
-    memo: dict[int, np.ndarray] = {}
-    _repeated_sum(x, copies + 5, memo)  # partial sums left behind are reused correctly
-    assert _repeated_sum(x, copies, memo).tobytes() == stacked.tobytes()
+    flat, shapes = x.ravel(), np.array([[5, 3]])
+    zero = np.zeros(1, dtype=np.int64)
+    for flip in (False, True):
+        got, _ = sums.repeated_sums(flat, zero, shapes, zero, np.array([flip]), zero + copies)
+        want = stacked.T if flip else stacked
+        assert got.tobytes() == np.ascontiguousarray(want).tobytes()
+
+
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 127, 128, 129, 200, 1000, 8193])
+def test_pairwise_sum_is_numpys_sum(length: int) -> None:
+    """The compiled sum scoring uses adds as ``ndarray.sum`` does, bit for bit."""
+    from torchtitan_autoparallel.planner import sums
+
+    a = np.random.default_rng(length).uniform(-1e3, 1e3, length) / 7.0
+    assert sums.pairwise_sum(a, 0, length) == a.sum()
 
 
 def test_separable_tables_are_recognised_in_either_layout() -> None:

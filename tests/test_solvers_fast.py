@@ -8,6 +8,7 @@ and each lower bound is a proven one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 
@@ -254,27 +255,42 @@ def sparse_problem(seed: int, n: int = 60, chords: int = 10, memory: bool = Fals
 
 def test_star_moves_skip_only_centres_whose_answer_cannot_have_changed(monkeypatch) -> None:
     """Skipping settled star centres gives the very plans a search that re-examines
-    every centre in every round gives (a reach of one edge instead of two fails this)."""
+    every centre in every round gives (a reach of one edge instead of two fails this),
+    and it does skip: fewer block moves are tried."""
     from torchtitan_autoparallel.planner.solvers import local_search
 
     rng = np.random.default_rng(0)
-    plans, skipped = [], 0
+    cases = []
     for seed in range(60):
         mrf = build_mrf(sparse_problem(seed, memory=seed % 2 == 1))
         x = np.array([rng.integers(len(u)) for u in mrf.unary])
-        lam = 0.0 if seed % 4 < 2 else 0.5
-        plans.append((mrf, x, lam, polish(mrf, x, None, lam)))
-    settled = local_search.LocalState.star_settled
-
-    def counted(state, centre):
-        nonlocal skipped
-        skipped += settled(state, centre)
-        return False  # never skip: every centre re-examined
-
-    monkeypatch.setattr(local_search.LocalState, "star_settled", counted)
-    for mrf, x, lam, fast in plans:
+        cases.append((mrf, x, 0.0 if seed % 4 < 2 else 0.5))
+    skipping = [polish(mrf, x, None, lam) for mrf, x, lam in cases]
+    monkeypatch.setattr(local_search, "SKIP_SETTLED", False)
+    for (mrf, x, lam), fast in zip(cases, skipping):
         assert np.array_equal(polish(mrf, x, None, lam), fast)
-    assert skipped > 0  # the shortcut was taken, and changed nothing
+
+    tried = 0
+    step = local_search._tree_step
+
+    def counted(*args):  # the compiled block move, counted from the rounds' Python form
+        nonlocal tried
+        tried += 1
+        return step(*args)
+
+    monkeypatch.setattr(local_search, "_tree_step", counted)
+    counts = {}
+    for skip in (True, False):
+        tried = 0
+        for mrf, x, lam in cases:
+            state = local_search.LocalState(mrf, x)
+            nodes = np.arange(mrf.num_nodes)
+            for _ in range(3):  # full rounds, as ``polish`` makes them
+                local_search._stars.py_func(
+                    state._m, lam, 1, nodes, True, skip, *mrf.reach, local_search.GAIN_RTOL
+                )
+        counts[skip] = tried
+    assert counts[True] < counts[False]
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -539,7 +555,7 @@ def test_plan_stages_runs_approx_with_the_optimality_check(debug_stages) -> None
 @pytest.mark.parametrize("looseness", [1.0, 4.0])
 def test_debug_model_bounds_sit_below_every_plan(debug_stages, looseness: float) -> None:
     problem = debug_stages.built.problem
-    problem = Problem(**{**vars(problem), "memory_budget": problem.memory_budget * looseness})
+    problem = dataclasses.replace(problem, memory_budget=problem.memory_budget * looseness)
     # a loose budget leaves the LP fractional and the ILP's branch-and-bound long: cap it
     limits = {"ilp": 5, "lp": 60, "approx": 60}
     plans = {name: get_solver(name).solve(problem, limit) for name, limit in limits.items()}

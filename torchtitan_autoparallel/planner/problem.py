@@ -24,23 +24,177 @@ return an assignment with infinite energy; if none exists they raise
 
 Keeping the problem as arrays (not solver variables) means it is built in
 vectorised form once and every solver is scored on exactly the same objective.
+
+``Problem.arrays`` holds the same data as flat arrays (``ProblemArrays``, the
+layout of the problem file): the presolve and the scoring read those, as a walk
+over the per-node lists costs a Python step per node. They are made once, when
+first read (``Problem.load`` has them already), and made again after any field
+they come from is replaced or its list changed; the arrays in those lists are
+read-only by contract.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from torchtitan_autoparallel.planner import sums
+
 FORMAT_VERSION = 2  # 2: each distinct pairwise table stored once
 READABLE_VERSIONS = (1, 2)
-_item = np.ndarray.item  # ``_item(table, i, j)``: a Python float, no numpy scalar
 
 
 class InfeasibleProblem(ValueError):
     """No assignment satisfies the constraints (pins, ties, forbidden pairs, memory)."""
+
+
+@dataclass(frozen=True)
+class ProblemArrays:
+    """A problem's vectors and tables as flat arrays (``Problem.arrays``)."""
+
+    k: np.ndarray  # (n,) strategies per node
+    starts: np.ndarray  # (n + 1,) where node v's entries start in ``unary``
+    unary: np.ndarray  # every node's unary, node after node
+    memory_nodes: np.ndarray  # the nodes with a memory vector, ascending
+    memory_starts: np.ndarray  # where each one's vector starts in ``memory`` (and the end)
+    memory: np.ndarray  # their vectors, one after another
+    tables: list[np.ndarray] | None  # the distinct pairwise tables (None: read ``flat_tables``)
+    table_of_edge: np.ndarray  # (E,) which of ``tables`` each edge reads
+    flat_tables: np.ndarray  # ``tables`` raveled, one after another
+    table_at: np.ndarray  # where each starts in ``flat_tables``
+    table_shapes: np.ndarray  # (T, 2) their shapes
+    table_cols: np.ndarray  # (T,) their columns
+    tie_nodes: np.ndarray  # every tie group's members, group after group
+    tie_sizes: np.ndarray  # the groups' sizes
+    tie_first: np.ndarray  # for each entry of ``tie_nodes``, its group's first member
+
+    @classmethod
+    def build(
+        cls, k: np.ndarray, unary: np.ndarray, memory_nodes: np.ndarray, memory: np.ndarray,
+        tables: list[np.ndarray], table_of_edge: np.ndarray, ties: list[list[int]],
+    ) -> ProblemArrays:
+        starts = _starts(k)
+        shapes = np.array([t.shape for t in tables], dtype=np.int64).reshape(-1, 2)
+        flat = _concat([np.asarray(t, dtype=np.float64).ravel() for t in tables])
+        sizes = np.fromiter(map(len, ties), dtype=np.int64, count=len(ties))
+        members = np.fromiter(
+            itertools.chain.from_iterable(ties), dtype=np.int64, count=int(sizes.sum())
+        )
+        heads = (np.cumsum(sizes) - sizes)[sizes > 0]
+        return cls(
+            k, starts, np.asarray(unary, dtype=np.float64), memory_nodes,
+            _starts(k[memory_nodes]), np.asarray(memory, dtype=np.float64), tables,
+            table_of_edge, flat, _starts(shapes.prod(axis=1))[:-1], shapes,
+            shapes[:, 1].copy(), members, sizes, np.repeat(members[heads], sizes[sizes > 0]),
+        )
+
+    @classmethod
+    def packed(
+        cls, k: np.ndarray, unary: np.ndarray, memory_nodes: np.ndarray, memory: np.ndarray,
+        flat_tables: np.ndarray, table_shapes: np.ndarray, table_of_edge: np.ndarray,
+    ) -> ProblemArrays:
+        """A tie-free problem's arrays from its tables laid out one after another (as
+        the presolve makes them), all made read-only."""
+        table_at = _starts(table_shapes.prod(axis=1))
+        for a in (unary, memory, flat_tables):
+            a.flags.writeable = False
+        none = np.zeros(0, dtype=np.int64)
+        return cls(
+            k, _starts(k), unary, memory_nodes, _starts(k[memory_nodes]), memory, None,
+            table_of_edge, flat_tables, table_at[:-1], table_shapes, table_shapes[:, 1].copy(),
+            none, none, none,
+        )
+
+    def distinct_tables(self) -> list[np.ndarray]:
+        """The distinct tables, as views of ``flat_tables`` where none were given."""
+        if self.tables is not None:
+            return self.tables
+        ends = (self.table_at + self.table_shapes.prod(axis=1)).tolist()
+        return [
+            self.flat_tables[a:b].reshape(shape)
+            for a, b, shape in zip(self.table_at.tolist(), ends, self.table_shapes.tolist())
+        ]
+
+    def node_lists(self) -> tuple[list[np.ndarray], list[np.ndarray | None], list[np.ndarray]]:
+        """The per-node unaries and memory, and each edge's table, as views of these."""
+        spans = list(zip(self.starts[:-1].tolist(), self.starts[1:].tolist()))
+        unary = [self.unary[a:b] for a, b in spans]
+        memory: list[np.ndarray | None] = [None] * len(spans)
+        bounds = zip(self.memory_starts[:-1].tolist(), self.memory_starts[1:].tolist())
+        for v, (a, b) in zip(self.memory_nodes.tolist(), bounds):
+            memory[v] = self.memory[a:b]
+        tables = self.distinct_tables()
+        return unary, memory, [tables[t] for t in self.table_of_edge.tolist()]
+
+    @classmethod
+    def of(cls, problem: Problem) -> ProblemArrays:
+        """From the per-node lists; tables that are one object are stored once. The
+        lists' arrays become read-only: an edit now would not reach these copies."""
+        k = np.fromiter(map(len, problem.unary), dtype=np.int64, count=len(problem.unary))
+        holders = [v for v, m in enumerate(problem.memory) if m is not None]
+        ids = np.fromiter(map(id, problem.pairwise), dtype=np.int64, count=len(problem.pairwise))
+        _, first, of_edge = np.unique(ids, return_index=True, return_inverse=True)
+        for part in (problem.unary, problem.pairwise, [problem.memory[v] for v in holders]):
+            for a in part:
+                if isinstance(a, np.ndarray):
+                    a.flags.writeable = False
+        return cls.build(
+            k,
+            _concat(problem.unary),
+            np.array(holders, dtype=np.int64),
+            _concat([problem.memory[v] for v in holders]),
+            [problem.pairwise[e] for e in first.tolist()],
+            of_edge.reshape(-1).astype(np.int64),
+            problem.ties,
+        )
+
+
+@dataclass
+class FlatProblem:
+    """A tie-free problem as flat arrays alone: what the presolve's stages hand on to
+    each other (a ``Problem`` adds the names, labels and per-node lists)."""
+
+    arrays: ProblemArrays
+    edges: np.ndarray  # (E, 2)
+    memory_budget: float | None = None
+    pins: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.arrays.k)
+
+
+_SOURCES = ("unary", "pairwise", "memory", "ties")  # lists the flat arrays are made from
+
+
+class _Watched(list):
+    """A list field of a ``Problem`` that tells it when it changes, so that its
+    flat arrays are made again (``Problem.arrays``)."""
+
+    __slots__ = ("_owner",)
+
+    def _changed(self) -> None:
+        owner = getattr(self, "_owner", None)  # unset while unpickling
+        if owner is not None:
+            object.__setattr__(owner, "_arrays", None)
+
+
+def _watching(name: str):
+    def method(self, *args, **kwargs):
+        out = getattr(list, name)(self, *args, **kwargs)
+        self._changed()
+        return self if name.startswith("__i") else out
+
+    method.__name__ = name
+    return method
+
+
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend",
+              "insert", "pop", "remove", "clear", "sort", "reverse"):
+    setattr(_Watched, _name, _watching(_name))
 
 
 @dataclass
@@ -54,12 +208,50 @@ class Problem:
     memory_budget: float | None = None
     pins: dict[int, int] = field(default_factory=dict)
     ties: list[list[int]] = field(default_factory=list)
+    # the flat arrays where the caller has them already (``load``), else made when read
+    flat: InitVar[ProblemArrays | None] = None
+    _arrays: ProblemArrays | None = field(default=None, init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, flat: ProblemArrays | None) -> None:
         self.edges = np.asarray(self.edges, dtype=np.int64).reshape(-1, 2)
         if not self.memory:
             self.memory = [None] * len(self.node_names)
+        self._arrays = flat
         self.validate()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _SOURCES:
+            watched = _Watched(value)
+            watched._owner = self
+            value = watched
+        if name in _SOURCES or name == "edges":
+            object.__setattr__(self, "_arrays", None)
+        object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_arrays(
+        cls, node_names: list[str], strategy_labels: list[list[str]], arrays: ProblemArrays,
+        edges: np.ndarray, memory_budget: float | None = None, pins: dict[int, int] | None = None,
+    ) -> Problem:
+        """A tie-free problem over flat arrays it keeps (``ProblemArrays.packed``), its
+        lists views of them."""
+        unary, memory, pairwise = arrays.node_lists()
+        return cls(
+            node_names=node_names, strategy_labels=strategy_labels, unary=unary, edges=edges,
+            pairwise=pairwise, memory=memory, memory_budget=memory_budget, pins=pins or {},
+            flat=arrays,
+        )
+
+    @property
+    def flat_problem(self) -> FlatProblem:
+        """This problem's flat arrays, edges, budget and pins (its ties left out)."""
+        return FlatProblem(self.arrays, self.edges, self.memory_budget, self.pins)
+
+    @property
+    def arrays(self) -> ProblemArrays:
+        if self._arrays is None:
+            self._arrays = ProblemArrays.of(self)
+        return self._arrays
 
     @property
     def num_nodes(self) -> int:
@@ -67,15 +259,16 @@ class Problem:
 
     @property
     def num_strategies(self) -> np.ndarray:
-        return np.fromiter(map(len, self.unary), dtype=np.int64, count=len(self.unary))
+        return self.arrays.k
 
     def validate(self) -> None:
         n = self.num_nodes
         if not (len(self.strategy_labels) == len(self.unary) == len(self.memory) == n):
             raise ValueError("node_names, strategy_labels, unary and memory differ in length")
-        k = self.num_strategies
         if len(self.pairwise) != len(self.edges):
             raise ValueError("one pairwise table per edge is required")
+        # from the lists, not ``arrays``: a problem is often edited before it is solved
+        k = np.fromiter(map(len, self.unary), dtype=np.int64, count=n)
         # tuples of Python ints: a tenth of the time of comparing numpy rows per edge
         wanted = zip(k[self.edges[:, 0]].tolist(), k[self.edges[:, 1]].tolist())
         for e, (table, shape) in enumerate(zip(self.pairwise, wanted)):
@@ -93,19 +286,19 @@ class Problem:
                 raise ValueError(f"tie group {group} mixes strategy counts")
 
     def energy(self, assignment: np.ndarray) -> float:
-        """The objective of an assignment, recomputed from the tables."""
-        x = np.asarray(assignment, dtype=np.int64)
-        # ``item`` over lists of Python ints yields Python floats: no numpy scalar per
-        # term and no index tuple per edge (40% less time than ``getitem`` on
-        # LLaMA3-70B), and the same additions in the same order
-        total = sum(map(_item, self.unary, x.tolist()), 0.0)
-        ends = x[self.edges[:, 0]].tolist(), x[self.edges[:, 1]].tolist()
-        total += sum(map(_item, self.pairwise, *ends), 0.0)
-        return float(total)
+        """The objective of an assignment, recomputed from the tables (``sum_v`` of the
+        unaries from 0.0 node after node, plus ``sum_e`` of the tables edge after edge)."""
+        x = np.ascontiguousarray(assignment, dtype=np.int64)
+        flat = self.arrays
+        return sums.energy(
+            flat.unary, flat.starts, x, self.edges, flat.flat_tables, flat.table_at,
+            flat.table_cols, flat.table_of_edge,
+        )
 
     def memory_used(self, assignment: np.ndarray) -> float:
-        x = np.asarray(assignment, dtype=np.int64).tolist()
-        return sum(float(m[s]) for m, s in zip(self.memory, x) if m is not None)
+        x = np.ascontiguousarray(assignment, dtype=np.int64)
+        flat = self.arrays
+        return sums.memory_used(flat.memory, flat.memory_starts, flat.memory_nodes, x)
 
     def is_feasible(
         self, assignment: np.ndarray, tol: float = 1e-6, energy: float | None = None
@@ -117,12 +310,9 @@ class Problem:
             return False
         if any(x[v] != s for v, s in self.pins.items()):
             return False
-        groups = [g for g in self.ties if len(g)]
-        if groups:  # every member picks what its group's first member picks
-            members = np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64)
-            first = np.repeat([g[0] for g in groups], [len(g) for g in groups])
-            if (x[members] != x[first]).any():
-                return False
+        flat = self.arrays
+        if not sums.ties_kept(x, flat.tie_nodes, flat.tie_first):
+            return False
         if self.memory_budget is not None:
             return self.memory_used(x) <= self.memory_budget * (1 + tol)
         return True
@@ -166,17 +356,24 @@ class Problem:
             edges = f["edges"].reshape(-1, 2)
             unary = _split(f["unary"], k)
             shapes = np.stack([k[edges[:, 0]], k[edges[:, 1]]], axis=1)
+            distinct = None
             if version == 1:  # every edge's table, in edge order
                 flat = _split(f["pairwise"], shapes.prod(axis=1))
                 pairwise = share_tables([t.reshape(s) for t, s in zip(flat, shapes)])
             else:
-                pairwise = _shared_tables(f["pairwise"], f["table_of_edge"], shapes)
+                distinct, pairwise = _shared_tables(f["pairwise"], f["table_of_edge"], shapes)
             memory: list[np.ndarray | None] = [None] * len(k)
             mem_nodes = f["memory_nodes"]
             for v, m in zip(mem_nodes, _split(f["memory"], k[mem_nodes])):
                 memory[int(v)] = m
             budget = float(f["memory_budget"])
             ties = [g.tolist() for g in _split(f["tie_nodes"], f["tie_sizes"])]
+            arrays = None
+            if distinct is not None:  # the file's own layout: nothing to gather again
+                arrays = ProblemArrays.build(
+                    k.astype(np.int64), f["unary"], mem_nodes.astype(np.int64), f["memory"],
+                    distinct, f["table_of_edge"].astype(np.int64), ties,
+                )
             return cls(
                 node_names=[str(s) for s in f["node_names"]],
                 strategy_labels=[str(s).split("\x1f") for s in f["strategy_labels"]],
@@ -187,6 +384,7 @@ class Problem:
                 memory_budget=None if np.isnan(budget) else budget,
                 pins={int(v): int(s) for v, s in f["pins"]},
                 ties=ties,
+                flat=arrays,
             )
 
 
@@ -225,7 +423,10 @@ def _table_arrays(tables: list[np.ndarray]) -> dict[str, np.ndarray]:
     return {"pairwise": _concat([t.ravel() for t in distinct]), "table_of_edge": of_edge}
 
 
-def _shared_tables(flat: np.ndarray, of_edge: np.ndarray, shapes: np.ndarray) -> list[np.ndarray]:
+def _shared_tables(
+    flat: np.ndarray, of_edge: np.ndarray, shapes: np.ndarray
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The distinct tables, and each edge's."""
     used, first = np.unique(of_edge, return_index=True)  # one edge per distinct table
     if not np.array_equal(used, np.arange(len(used))):
         raise ValueError("table_of_edge must name every stored table, numbered from 0")
@@ -233,7 +434,13 @@ def _shared_tables(flat: np.ndarray, of_edge: np.ndarray, shapes: np.ndarray) ->
     distinct = [t.reshape(s) for t, s in zip(_split(flat, sizes), shapes[first])]
     for t in distinct:
         t.flags.writeable = False
-    return [distinct[i] for i in of_edge.tolist()]
+    return distinct, [distinct[i] for i in of_edge.tolist()]
+
+
+def _starts(sizes: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=out[1:])
+    return out
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:

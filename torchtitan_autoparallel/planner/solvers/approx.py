@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.problem import FlatProblem, InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution
-from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
+from torchtitan_autoparallel.planner.solvers.collapse import collapse
 from torchtitan_autoparallel.planner.solvers.ilp import HighsILPSolver, SolverTimeout
 from torchtitan_autoparallel.planner.solvers.local_search import polish
 from torchtitan_autoparallel.planner.solvers.mrf import Mrf, NoLabels, build_mrf
@@ -60,7 +60,7 @@ class _Outcome:
 
 @dataclass
 class _Reduced:
-    problem: Problem  # tie-free
+    problem: FlatProblem  # tie-free
     expand: Callable[[np.ndarray], np.ndarray]  # its plan -> the original plan
     offset: float  # energy the reduction took out
 
@@ -91,7 +91,7 @@ class ApproxSolver:
         LOG.info(
             "%s: %d nodes, %d edges, up to %d labels, memory %s",
             self.name, mrf.num_nodes, len(mrf.edges), int(mrf.k.max(initial=0)),
-            "binding" if mrf.memory is not None else "free",
+            "binding" if mrf.flat_memory is not None else "free",
         )
         outcome = search(mrf, deadline, self.gap)
         if outcome.labels is None:
@@ -111,10 +111,10 @@ class ApproxSolver:
 
     def _reduce(self, problem: Problem) -> _Reduced:
         if not self.full_presolve:
-            collapsed, group_of = collapse_ties(problem)
-            return _Reduced(collapsed, lambda x: x[group_of], 0.0)
+            collapsed = collapse(problem)
+            return _Reduced(collapsed.flat, lambda x: x[collapsed.group_of], 0.0)
         pre = presolve(problem)
-        return _Reduced(pre.reduced, pre.expand, pre.offset)
+        return _Reduced(pre.reduced_flat, pre.expand, pre.offset)
 
     def _exact(
         self, problem: Problem, start: float, time_limit: float | None, why: str
@@ -142,7 +142,7 @@ def search(mrf: Mrf, deadline: float | None, gap: float) -> _Outcome:
     """TRW-S and local search on a built ``Mrf``, under the Lagrangian price search
     when its memory budget binds: the solver's work once the presolve is done."""
     trws = Trws(mrf)
-    if mrf.memory is None:
+    if mrf.flat_memory is None:
         # cheap single-node moves on the way, block moves too at the end
         improve = lambda x, final: polish(mrf, x, deadline, blocks=final)  # noqa: E731
         run = trws.run(mrf.flat_unary, deadline, improve=improve, gap=gap)

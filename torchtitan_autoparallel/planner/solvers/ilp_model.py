@@ -169,10 +169,18 @@ def memory_message(budget: float, minimum: float) -> str:
 def tie_components(num_nodes: int, ties: list[list[int]]) -> np.ndarray:
     """Component label per node; overlapping tie groups merge (union-find)."""
     members = np.fromiter(itertools.chain.from_iterable(ties), dtype=np.int64)
+    sizes = np.fromiter(map(len, ties), dtype=np.int64, count=len(ties))
+    return group_components(num_nodes, members, sizes, ties)
+
+
+def group_components(
+    num_nodes: int, members: np.ndarray, sizes: np.ndarray, ties: list[list[int]]
+) -> np.ndarray:
+    """``tie_components`` with the groups also given flat (``members``, group after
+    group, and each group's size), as ``Problem.arrays`` holds them."""
     if not len(members) or np.bincount(members, minlength=num_nodes).max() == 1:
         # disjoint groups (what the planner makes): each member's root is its
         # group's first node, as the union-find below would find, in one pass
-        sizes = np.fromiter(map(len, ties), dtype=np.int64, count=len(ties))
         used = sizes > 0
         comp = np.arange(num_nodes, dtype=np.int64)
         comp[members] = np.repeat(members[(np.cumsum(sizes) - sizes)[used]], sizes[used])

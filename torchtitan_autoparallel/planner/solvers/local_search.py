@@ -9,90 +9,87 @@
   over-budget labeling is first repaired by the cheapest memory-saving moves.
 
 ``LocalState`` keeps every node's cost of each of its labels given its
-neighbours' current labels, updated incrementally as nodes move.
+neighbours' current labels, updated incrementally as nodes move. The moves,
+ICM and the star rounds are compiled (``_Moves`` is the state they share):
+in Python their bookkeeping took most of the approximate solver's search on
+the 2-D meshes. The memory repairs and trades stay in Python; they run only
+under a budget that binds, a move at a time.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import namedtuple
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from torchtitan_autoparallel.planner.solvers import kernels
 from torchtitan_autoparallel.planner.solvers.mrf import Mrf
 
 GAIN_RTOL = 1e-12  # a move must gain more than this (relative) to count
+SKIP_SETTLED = True  # star rounds skip centres whose answer cannot have changed
+_jit = numba.njit(cache=True, nogil=True)
+
+# ``counts``: [moves]; ``sums``: [energy, memory]; ``missed[c]``: the move count when
+# the star at ``c`` last failed (-1: never), ``missed_slack[c]`` the slack then
+_Moves = namedtuple(
+    "_Moves",
+    ["cost", "mem", "x", "stamp", "counts", "sums", "missed", "missed_slack",
+     "k", "flat", "graph", "budget", "bounded"],
+)
 
 
 class LocalState:
     def __init__(self, mrf: Mrf, x: np.ndarray) -> None:
         self.mrf = mrf
         n, k = mrf.num_nodes, mrf.k
-        width = int(k.max(initial=1))
-        self.unary = np.full((n, width), np.inf)
-        self.mem = np.zeros((n, width))
-        self.unary[mrf.cells] = mrf.flat_unary
-        if mrf.memory is not None:
-            self.mem[mrf.cells] = mrf.flat_memory
-        # neighbour, table, whether this node indexes the table's rows
-        self.adj: list[list[tuple[int, np.ndarray, bool]]] = [[] for _ in range(n)]
-        for (a, b), t in zip(mrf.edges.tolist(), mrf.tables):
-            self.adj[a].append((b, t, True))
-            self.adj[b].append((a, t, False))
-        self.classes = _colour_classes(self.adj)
+        self.unary, self.mem = mrf.padded  # read only
         self.x = np.asarray(x, dtype=np.int64).copy()
-        self.moves = 0
+        self.cost = np.empty(self.unary.shape)
         self.stamp = np.zeros(n, dtype=np.int64)  # the move count at each node's last move
-        self._reach: list[np.ndarray] | None = None
-        self._quiet: dict[int, tuple[int, float]] = {}  # star centre -> (moves, slack) at a miss
+        self._counts, self._sums = np.zeros(1, dtype=np.int64), np.zeros(2)
+        self._m = _Moves(
+            self.cost, self.mem, self.x, self.stamp, self._counts, self._sums,
+            np.full(n, -1, dtype=np.int64), np.zeros(n), k, mrf.flat, mrf.adjacency,
+            float(mrf.budget), mrf.flat_memory is not None,
+        )
         self.refresh()
 
     def refresh(self) -> None:
         """Recompute the cost table, energy and memory from scratch (no drift)."""
         mrf = self.mrf
-        self.cost = kernels.neighbour_costs(self.unary, self.x, mrf.k, mrf.flat, mrf.adjacency)
-        self.energy = self.mrf.energy(self.x)
-        self.memory = self.mrf.memory_used(self.x)
+        self.cost[...] = kernels.neighbour_costs(self.unary, self.x, mrf.k, mrf.flat, mrf.adjacency)
+        self._sums[0] = self.mrf.energy(self.x)
+        self._sums[1] = self.mrf.memory_used(self.x)
+
+    @property
+    def energy(self) -> float:
+        return float(self._sums[0])
+
+    @property
+    def memory(self) -> float:
+        return float(self._sums[1])
+
+    @property
+    def moves(self) -> int:
+        return int(self._counts[0])
 
     @property
     def slack(self) -> float:
-        return self.mrf.budget - self.memory if self.mrf.memory is not None else math.inf
+        return self.mrf.budget - self.memory if self.mrf.flat_memory is not None else math.inf
 
     def tol(self) -> float:
         return GAIN_RTOL * max(1.0, abs(self.energy))
 
     def move(self, v: int, label: int) -> None:
-        old = int(self.x[v])
-        if old == label:
-            return
-        self.energy += self.cost[v, label] - self.cost[v, old]
-        self.memory += self.mem[v, label] - self.mem[v, old]
-        for z, t, rows in self.adj[v]:
-            if rows:
-                self.cost[z, : t.shape[1]] += t[label] - t[old]
-            else:
-                self.cost[z, : t.shape[0]] += t[:, label] - t[:, old]
-        self.x[v] = label
-        self.moves += 1
-        self.stamp[v] = self.moves
+        _move(self._m, v, label)
 
-    def star_settled(self, centre: int) -> bool:
-        """The star move at ``centre`` was found not to help, and nothing it reads has
-        changed since: no node within two edges moved (its block's labels and their
-        neighbours' costs) and the slack did not grow (a move refused for memory
-        might fit now)."""
-        seen = self._quiet.get(centre)
-        if seen is None:
-            return False
-        if self._reach is None:
-            self._reach = _within_two(self.adj)
-        moves, slack = seen
-        return self.slack <= slack and int(self.stamp[self._reach[centre]].max()) <= moves
-
-    def star_missed(self, centre: int) -> None:
-        self._quiet[centre] = (self.moves, self.slack)
+    def neighbours(self, v: int) -> list[int]:
+        start, nbr = self.mrf.adjacency[:2]
+        return nbr[start[v] : start[v + 1]].tolist()
 
 
 def polish(
@@ -109,7 +106,7 @@ def polish(
         if not blocks:
             break
         moved = stars(state, lam)
-        if mrf.memory is not None:
+        if mrf.flat_memory is not None:
             moved += trades(state)
         if not moved or _late(deadline):
             break
@@ -118,7 +115,6 @@ def polish(
             break
         stars(state, lam, depth, _forbidden_ends(state))
         icm(state)
-    state.refresh()
     return state.x
 
 
@@ -133,64 +129,145 @@ def _forbidden_ends(state: LocalState) -> list[int]:
 
 def icm(state: LocalState) -> int:
     """Single-node moves, a colour class at a time, until none gains; returns the count."""
-    moves, changed = 0, True
-    while changed:
-        changed = False
-        for nodes in state.classes:
-            done = _class_moves(state, nodes)
-            moves += done
-            changed |= done > 0
-    return moves
-
-
-def _class_moves(state: LocalState, nodes: np.ndarray) -> int:
-    cost = state.cost[nodes]
-    current = state.x[nodes]
-    rows = np.arange(len(nodes))
-    extra = state.mem[nodes] - state.mem[nodes, current][:, None]
-    slack = state.slack
-    cost = np.where(extra <= slack, cost, np.inf)
-    best = np.argmin(cost, axis=1)
-    gain = state.cost[nodes, current] - cost[rows, best]
-    take = np.flatnonzero(gain > state.tol())
-    if not len(take):
-        return 0
-    growth = extra[take, best[take]]
-    # moves that free memory always fit; the others share the slack, best gain first
-    order = np.lexsort((-gain[take], growth > 0))
-    done = 0
-    for i in take[order].tolist():
-        if extra[i, best[i]] > 0 and extra[i, best[i]] > state.slack:
-            continue
-        state.move(int(nodes[i]), int(best[i]))
-        done += 1
-    return done
+    return _icm(state._m, *state.mrf.colour_classes, GAIN_RTOL)
 
 
 def stars(state: LocalState, lam: float = 0.0, depth: int = 1, centres=None) -> int:
     """One round of block moves (stars, or deeper trees) over ``centres`` (all nodes by
-    default); returns how many were taken."""
-    taken = 0
-    stars_only = depth == 1 and centres is None  # the rounds that revisit every centre
-    for c in range(state.mrf.num_nodes) if centres is None else centres:
-        if not state.adj[c] or (stars_only and state.star_settled(c)):
-            continue
-        if _tree_move(state, int(c), depth, lam):
-            taken += 1
-        elif stars_only:
-            state.star_missed(c)
-    return taken
+    default); returns how many were taken. A full round of stars skips the centres
+    whose move was found not to help and whose surroundings have not moved since."""
+    every = centres is None
+    nodes = np.arange(state.mrf.num_nodes) if every else np.asarray(centres, dtype=np.int64)
+    remember = depth == 1 and every  # the rounds that revisit every centre
+    return _stars(
+        state._m, float(lam), depth, nodes, remember, remember and SKIP_SETTLED,
+        *state.mrf.reach, GAIN_RTOL,
+    )
 
 
 def _tree_move(state: LocalState, root: int, depth: int, lam: float) -> bool:
     """Relabel a tree block around ``root`` optimally (everything else fixed), if that
     lowers the energy and the plan still fits."""
-    block = _block(state, root, depth, lam)
-    if block.gain <= state.tol() or (block.grow > 0 and block.grow > state.slack):
+    return _tree_step(state._m, root, depth, lam, GAIN_RTOL)
+
+
+# --- compiled moves ------------------------------------------------------------------
+
+
+@_jit
+def _slack(m: _Moves) -> float:
+    return m.budget - m.sums[1] if m.bounded else np.inf
+
+
+@_jit
+def _move(m: _Moves, v: int, label: int) -> None:
+    """Relabel ``v``: the energy, memory and every neighbour's costs follow (each
+    neighbour's row gains the table's new row less its old one, neighbour by
+    neighbour in adjacency order)."""
+    cost, x, flat = m.cost, m.x, m.flat
+    start, nbr, edge, rows, at, cols = m.graph
+    old = x[v]
+    if old == label:
+        return
+    m.sums[0] += cost[v, label] - cost[v, old]
+    m.sums[1] += m.mem[v, label] - m.mem[v, old]
+    for p in range(start[v], start[v + 1]):
+        z, e = nbr[p], edge[p]
+        if rows[p]:  # ``v`` indexes the table's rows: its row, across ``z``'s labels
+            base, c = at[e], cols[e]
+            for j in range(m.k[z]):
+                cost[z, j] += flat[base + label * c + j] - flat[base + old * c + j]
+        else:
+            base, c = at[e], cols[e]
+            for j in range(m.k[z]):
+                cost[z, j] += flat[base + j * c + label] - flat[base + j * c + old]
+    x[v] = label
+    m.counts[0] += 1
+    m.stamp[v] = m.counts[0]
+
+
+@_jit
+def _icm(m: _Moves, class_at: np.ndarray, class_nodes: np.ndarray, gain_rtol: float) -> int:
+    total, changed = 0, True
+    while changed:
+        changed = False
+        for c in range(class_at.shape[0] - 1):
+            done = _class_moves(m, class_nodes[class_at[c] : class_at[c + 1]], gain_rtol)
+            total += done
+            changed |= done > 0
+    return total
+
+
+@_jit
+def _class_moves(m: _Moves, nodes: np.ndarray, gain_rtol: float) -> int:
+    """Each node's best label within the slack (all found first: the class shares no
+    edge), then the moves that gain: those that free memory first, best gain first."""
+    cost, mem, x = m.cost, m.mem, m.x
+    count, width = nodes.shape[0], cost.shape[1]
+    slack, tol = _slack(m), gain_rtol * max(1.0, abs(m.sums[0]))
+    best = np.zeros(count, dtype=np.int64)
+    gain, growth = np.empty(count), np.empty(count)
+    for i in range(count):
+        v = nodes[i]
+        current = x[v]
+        least = np.inf
+        for j in range(width):
+            c = cost[v, j] if mem[v, j] - mem[v, current] <= slack else np.inf
+            if c < least or j == 0:
+                least, best[i] = c, j
+        gain[i] = cost[v, current] - least
+        growth[i] = mem[v, best[i]] - mem[v, current]
+    take = np.flatnonzero(gain > tol)
+    if take.shape[0] == 0:
+        return 0
+    # ``np.lexsort((-gain, growth > 0))``: by gain, then (stably) freeing moves first
+    by_gain = take[np.argsort(-gain[take], kind="mergesort")]
+    order = by_gain[np.argsort((growth[by_gain] > 0).astype(np.int64), kind="mergesort")]
+    done = 0
+    for i in order:
+        if growth[i] > 0 and growth[i] > _slack(m):
+            continue
+        _move(m, nodes[i], best[i])
+        done += 1
+    return done
+
+
+@_jit
+def _tree_step(m: _Moves, root: int, depth: int, lam: float, gain_rtol: float) -> bool:
+    order, _, _, _, _, new, gain, grow = kernels.tree_block(
+        m.cost, m.mem, m.x, m.k, m.flat, m.graph, root, depth, lam
+    )
+    if gain <= gain_rtol * max(1.0, abs(m.sums[0])) or (grow > 0 and grow > _slack(m)):
         return False
-    for v, label in zip(block.order.tolist(), block.best.tolist()):
-        state.move(v, label)
+    for i in range(order.shape[0]):
+        _move(m, order[i], new[i])
     return True
+
+
+@_jit
+def _stars(
+    m: _Moves, lam: float, depth: int, centres: np.ndarray, remember: bool, skip: bool,
+    reach_at: np.ndarray, reach: np.ndarray, gain_rtol: float,
+) -> int:
+    """Block moves around each centre; a centre whose move failed is skipped while no
+    node within two edges has moved (its block's labels and their neighbours' costs)
+    and the slack has not grown (a move refused for memory might fit now)."""
+    start = m.graph[0]
+    taken = 0
+    for c in centres:
+        if start[c + 1] == start[c]:
+            continue
+        if skip and m.missed[c] >= 0 and _slack(m) <= m.missed_slack[c]:
+            latest = 0
+            for i in range(reach_at[c], reach_at[c + 1]):
+                latest = max(latest, m.stamp[reach[i]])
+            if latest <= m.missed[c]:
+                continue
+        if _tree_step(m, c, depth, lam, gain_rtol):
+            taken += 1
+        elif remember:
+            m.missed[c], m.missed_slack[c] = m.counts[0], _slack(m)
+    return taken
 
 
 @dataclass
@@ -238,7 +315,7 @@ def trades(state: LocalState) -> int:
             continue  # nothing to gain, or the star move needs no trade
         near = set(block.order.tolist())
         for u in block.order.tolist():
-            near.update(z for z, _, _ in state.adj[u])
+            near.update(state.neighbours(u))
         others = np.array([w for w in holders.tolist() if w not in near], dtype=np.int64)
         if not len(others):
             continue
@@ -297,26 +374,6 @@ def _repair_single(state: LocalState) -> None:
         if not np.isfinite(ratio[v, label]):
             return  # no move saves memory: the caller finds the plan does not fit
         state.move(int(v), int(label))
-
-
-def _within_two(adj: list[list[tuple[int, np.ndarray, bool]]]) -> list[np.ndarray]:
-    """Per node, itself and the nodes one or two edges away."""
-    near = [{v, *(z for z, _, _ in nbrs)} for v, nbrs in enumerate(adj)]
-    return [
-        np.fromiter(set().union(*(near[z] for z in near[v])), dtype=np.int64)
-        for v in range(len(adj))
-    ]
-
-
-def _colour_classes(adj: list[list[tuple[int, np.ndarray, bool]]]) -> list[np.ndarray]:
-    colour = np.full(len(adj), -1, dtype=np.int64)
-    for v, nbrs in enumerate(adj):
-        used = {int(colour[z]) for z, _, _ in nbrs}
-        c = 0
-        while c in used:
-            c += 1
-        colour[v] = c
-    return [np.flatnonzero(colour == c) for c in range(int(colour.max(initial=-1)) + 1)]
 
 
 def _late(deadline: float | None) -> bool:

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.problem import FlatProblem, InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
-from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
+from torchtitan_autoparallel.planner.solvers.collapse import collapse
+from torchtitan_autoparallel.planner.solvers.compiled_graph import CompiledGraph, reduce_compiled
 from torchtitan_autoparallel.planner.solvers.reduce import Graph
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
@@ -36,20 +37,31 @@ GraphFactory = Callable[[Problem, np.ndarray, bool], Graph]
 @dataclass
 class Presolved:
     original: Problem
-    reduced: Problem  # tie-free, pin-free; its memory includes the eliminated nodes'
     offset: float  # energy of everything eliminated, added to any reduced energy
     seconds: float
     _group_of: np.ndarray  # original node -> node of the tie-collapsed problem
-    _graph: Graph
+    _graph: Graph | CompiledGraph
     _survivors: np.ndarray  # reduced node -> node of the tie-collapsed problem
+    _reduced: Problem | None = None  # made when first read where the compiled pass left it flat
+
+    @property
+    def reduced(self) -> Problem:
+        """Tie-free and pin-free; its memory includes the eliminated nodes'."""
+        if self._reduced is None:
+            self._reduced, _ = self._graph.reduced_problem()
+        return self._reduced
+
+    @property
+    def reduced_flat(self) -> FlatProblem:
+        """``reduced`` as flat arrays: what the approximate solver reads, without the
+        names and labels a ``Problem`` carries."""
+        if self._reduced is None and isinstance(self._graph, CompiledGraph):
+            return self._graph.reduced_flat
+        return self.reduced.flat_problem
 
     def expand(self, reduced_assignment: np.ndarray) -> np.ndarray:
         """The original plan of a reduced plan; its energy is the reduced one + offset."""
-        x = np.asarray(reduced_assignment, dtype=np.int64)
-        values = {
-            int(v): int(self._graph.domain[v][s]) for v, s in zip(self._survivors, x.tolist())
-        }
-        return self._graph.expand(values)[self._group_of]
+        return self._graph.expand_plan(self._survivors, reduced_assignment)[self._group_of]
 
     def restrict(self, assignment: np.ndarray) -> np.ndarray | None:
         """The reduced plan that keeps an original plan's surviving choices (a warm start),
@@ -75,8 +87,12 @@ class Presolved:
 
 def problem_size(problem: Problem) -> dict[str, int]:
     """Nodes, edges, strategies and ILP-scale variables (strategies + finite table entries)."""
-    strategies = int(problem.num_strategies.sum())
-    entries = sum(int(np.isfinite(t).sum()) for t in problem.pairwise)
+    flat = problem.arrays
+    strategies = int(flat.k.sum())
+    finite = np.isfinite(flat.flat_tables)
+    per_table = np.add.reduceat(finite, flat.table_at) if len(finite) else finite[:0]
+    uses = np.bincount(flat.table_of_edge, minlength=len(flat.table_at))
+    entries = int((per_table * uses[: len(per_table)]).sum())
     return {
         "nodes": problem.num_nodes,
         "edges": len(problem.edges),
@@ -101,43 +117,27 @@ def presolve(
     ``make_graph`` swaps in a ``Graph`` that protects more than the energy
     (``overlap_presolve``)."""
     start = time.perf_counter()
-    collapsed, group_of = collapse_ties(problem)
-    if make_graph is None:
-        graph = Graph(collapsed, prune_memory=prune_memory)
-    else:
-        graph = make_graph(collapsed, group_of, prune_memory)
+    collapsed = collapse(problem)
+    if make_graph is None:  # the same reductions compiled, where the problem's form allows
+        compiled = reduce_compiled(collapsed, prune_memory, dominance)
+        if compiled is not None:
+            compiled.check_fixed_memory()
+            seconds = time.perf_counter() - start
+            return Presolved(
+                problem, compiled.offset, seconds, collapsed.group_of, compiled,
+                compiled.survivors,
+            )
+    tie_free = collapsed.problem()
+    graph = Graph(tie_free, prune_memory) if make_graph is None else make_graph(
+        tie_free, collapsed.group_of, prune_memory
+    )
     graph.reduce(dominance=dominance)
     graph.check_fixed_memory()
-    reduced, survivors = _reduced_problem(graph, collapsed)
+    reduced, survivors = graph.reduced_problem(tie_free)
     seconds = time.perf_counter() - start
-    return Presolved(problem, reduced, graph.offset, seconds, group_of, graph, survivors)
-
-
-def _reduced_problem(graph: Graph, collapsed: Problem) -> tuple[Problem, np.ndarray]:
-    survivors = np.flatnonzero(graph.alive)
-    index = {int(v): i for i, v in enumerate(survivors)}
-    edges, tables = [], []
-    for v in survivors.tolist():
-        for u, table in graph.adj[v].items():
-            if u > v:
-                edges.append((index[v], index[u]))
-                tables.append(np.ascontiguousarray(table))
-    memory = [graph.memory[v] for v in survivors]
-    holders = [i for i, m in enumerate(memory) if m is not None]
-    if holders:  # the memory every plan uses rides on one holder, so the budget stays as is
-        memory[holders[0]] = memory[holders[0]] + graph.fixed_memory
-    reduced = Problem(
-        node_names=[collapsed.node_names[v] for v in survivors],
-        strategy_labels=[
-            [collapsed.strategy_labels[v][s] for s in graph.domain[v]] for v in survivors
-        ],
-        unary=[graph.unary[v] for v in survivors],
-        edges=np.array(edges, dtype=np.int64).reshape(-1, 2),
-        pairwise=tables,
-        memory=memory,
-        memory_budget=graph.budget if holders else None,
+    return Presolved(
+        problem, graph.offset, seconds, collapsed.group_of, graph, survivors, reduced
     )
-    return reduced, survivors
 
 
 class PresolvingSolver:

@@ -37,7 +37,6 @@ from torchtitan_autoparallel.planner.solvers.ilp_model import memory_message
 BUDGET_RTOL = 1e-6  # the slack Problem.is_feasible grants the budget
 SEPARABLE_RTOL = 1e-12  # a table this close to a + b is folded (rounding only)
 DOMINANCE_MAX_WORK = 50_000_000  # k * k * neighbour strategies above which it is skipped
-DOMINANCE_PROBES = 16  # columns per table that rule out most pairs before the exact check
 _UNSCANNED = (-1, None, None)  # ``Graph._scanned`` when no node's tables are at hand
 
 
@@ -143,10 +142,7 @@ class Graph:
         self._push_neighbours(v)
 
     def _nothing_left(self, v: int) -> NoReturn:
-        raise InfeasibleProblem(
-            "no plan satisfies the pins, ties and forbidden (inf) choices "
-            f"(presolve: nothing is left for {self.problem.node_names[v]})"
-        )
+        raise InfeasibleProblem(nothing_left(self.problem.node_names[v]))
 
     def _try_eliminate(self, v: int) -> bool:
         if len(self.domain[v]) == 1:
@@ -196,9 +192,10 @@ class Graph:
         raises its energy or memory. Of two equivalent strategies the lower index
         stays, so one always survives.
 
-        A few columns of each table (``kernels._probe_columns``) bound ``min_j`` from
-        above, so most pairs are ruled out at a fraction of the cost; only the pairs
-        that survive (about a tenth on the 3-D meshes) get the exact minimum."""
+        Each table's difference at ``s``'s cheapest column bounds ``min_j`` from
+        above, so most pairs are ruled out at a fraction of the cost
+        (``kernels.dominated``); only the pairs that survive get the exact minimum.
+        """
         k = len(self.domain[v])
         if self._scanned[0] == v:
             side = self._scanned[1:]
@@ -208,7 +205,7 @@ class Graph:
             return np.zeros(k, dtype=bool)
         memory = self.memory[v]
         return kernels.dominated(
-            self.unary[v], *side, np.zeros(0) if memory is None else memory, DOMINANCE_PROBES
+            self.unary[v], *side, np.zeros(0) if memory is None else memory
         )
 
     def _restrict(self, v: int, keep: np.ndarray) -> None:
@@ -345,12 +342,54 @@ class Graph:
             x[rec.node] = rec.pick(at)
         return x
 
+    def expand_plan(self, survivors: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """``expand`` of a reduced plan ``x``: the labels of ``survivors``, in order."""
+        labels = np.asarray(x, dtype=np.int64).tolist()
+        return self.expand(
+            {int(v): int(self.domain[v][s]) for v, s in zip(survivors.tolist(), labels)}
+        )
+
+    def reduced_problem(self, collapsed: Problem) -> tuple[Problem, np.ndarray]:
+        """The problem over the surviving nodes of ``collapsed`` (the problem this graph
+        was made from), and which those are."""
+        survivors = np.flatnonzero(self.alive)
+        index = {int(v): i for i, v in enumerate(survivors)}
+        edges, tables = [], []
+        for v in survivors.tolist():
+            for u, table in self.adj[v].items():
+                if u > v:
+                    edges.append((index[v], index[u]))
+                    tables.append(np.ascontiguousarray(table))
+        memory = [self.memory[v] for v in survivors]
+        holders = [i for i, m in enumerate(memory) if m is not None]
+        if holders:  # the memory every plan uses rides on one holder, so the budget stays as is
+            memory[holders[0]] = memory[holders[0]] + self.fixed_memory
+        reduced = Problem(
+            node_names=[collapsed.node_names[v] for v in survivors],
+            strategy_labels=[
+                [collapsed.strategy_labels[v][s] for s in self.domain[v]] for v in survivors
+            ],
+            unary=[self.unary[v] for v in survivors],
+            edges=np.array(edges, dtype=np.int64).reshape(-1, 2),
+            pairwise=tables,
+            memory=memory,
+            memory_budget=self.budget if holders else None,
+        )
+        return reduced, survivors
+
     def check_fixed_memory(self) -> None:
         """With no memory left to choose, the fixed part alone must fit."""
         if self.budget is None or self._memory_holders():
             return
         if self.fixed_memory > self.budget * (1 + BUDGET_RTOL):
             raise InfeasibleProblem(memory_message(self.budget, self.fixed_memory))
+
+
+def nothing_left(name: str) -> str:
+    return (
+        "no plan satisfies the pins, ties and forbidden (inf) choices "
+        f"(presolve: nothing is left for {name})"
+    )
 
 
 def swap_difference(a: np.ndarray, b: np.ndarray, finite: bool) -> np.ndarray:

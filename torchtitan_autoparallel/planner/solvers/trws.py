@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from torchtitan_autoparallel.planner.solvers import kernels
@@ -62,13 +63,11 @@ class Trws:
     def __init__(self, mrf: Mrf) -> None:
         self.mrf = mrf
         self.starts = mrf.starts
-        ends = _Ends(mrf)
-        self.msg = np.zeros(int(ends.msg_end))
-        # per node, the messages into it in edge order: the order their sum takes
-        into = np.lexsort((ends.edge, ends.node))
-        self.incoming = ends.msg_in[into]
-        self.forward = _sweep_plan(ends, forward=True)
-        self.backward = _sweep_plan(ends, forward=False)
+        start, _, edge, lower, offset, _ = mrf.adjacency
+        size, self.incoming, *plans = _plans(start, mrf.adjacency[1], edge, lower, offset, mrf.k)
+        self.msg = np.zeros(size)
+        self.forward = _SweepPlan(*plans[:3])
+        self.backward = _SweepPlan(*plans[3:])
 
     def run(
         self,
@@ -122,57 +121,69 @@ class _SweepPlan:
     weights: np.ndarray  # (n, 2) gamma, share of the bound
 
 
-class _Ends:
-    """Each edge seen from both of its nodes (first every edge from its lower node,
-    then from its higher one): the node, the neighbour, the edge, where the
-    messages into and out of the node sit in ``Trws.msg`` (the one to the higher
-    node of edge ``e``, then the one to its lower node, edge after edge), where
-    the table starts, and whether the node indexes its rows (the lower one does)."""
+@numba.njit(cache=True, nogil=True)
+def _plans(
+    start: np.ndarray, nbr: np.ndarray, edge: np.ndarray, lower: np.ndarray,
+    offset: np.ndarray, k: np.ndarray,
+):
+    """Both sweeps' plans from the adjacency (``Mrf.adjacency``: each node's edges in
+    edge order). Messages sit in ``Trws.msg`` edge after edge, the one to the higher
+    node first; ``incoming`` lists, node after node, where the messages into it start
+    (in edge order: the order their sum takes). A sweep visits nodes in index order
+    (forward) or backwards; each node's links go first to the neighbours behind it
+    (labelled already when it is reached, in edge order: the order decoding adds
+    their rows), then to those ahead (sent messages); its weights are ``1 / n_s`` and
+    the share of chains ending at it. Returns the messages' size, ``incoming`` and
+    (steps, links, weights) of the forward and the backward sweep."""
+    n, ends = k.shape[0], nbr.shape[0]
+    edges = ends // 2
+    labels = np.empty(edges, np.int64)  # each edge's two ends' label counts, added
+    for v in range(n):
+        for p in range(start[v], start[v + 1]):
+            if lower[p]:
+                labels[edge[p]] = k[v] + k[nbr[p]]
+    to_high = np.empty(edges, np.int64)
+    size = 0
+    for e in range(edges):  # the message to the higher node, then the one to the lower
+        to_high[e] = size
+        size += labels[e]
+    incoming, msg_out = np.empty(ends, np.int64), np.empty(ends, np.int64)
+    later, earlier = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    for v in range(n):
+        for p in range(start[v], start[v + 1]):
+            high = k[nbr[p]] if lower[p] else k[v]
+            to_low = to_high[edge[p]] + high
+            incoming[p], msg_out[p] = (to_low, to_high[edge[p]]) if lower[p] else (to_high[edge[p]], to_low)
+            later[v] += lower[p]
+            earlier[v] += not lower[p]
+    forward = _sweep_plan(start, nbr, edge, lower, offset, incoming, msg_out, later, earlier, True)
+    backward = _sweep_plan(start, nbr, edge, lower, offset, incoming, msg_out, later, earlier, False)
+    return size, incoming, forward[0], forward[1], forward[2], backward[0], backward[1], backward[2]
 
-    def __init__(self, mrf: Mrf) -> None:
-        low, high = mrf.edges[:, 0], mrf.edges[:, 1]
-        count = len(low)
-        sizes = np.stack([mrf.k[high], mrf.k[low]], axis=1).ravel()
-        msg_at = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        to_high, to_low = msg_at[:-1:2], msg_at[1::2]
-        self.msg_end = msg_at[-1]
-        self.node = np.concatenate([low, high])
-        self.other = np.concatenate([high, low])
-        self.edge = np.tile(np.arange(count, dtype=np.int64), 2)
-        self.msg_in = np.concatenate([to_low, to_high])
-        self.msg_out = np.concatenate([to_high, to_low])
-        self.table_at = np.tile(np.asarray(mrf.offset, dtype=np.int64), 2)
-        self.rows = np.repeat(np.array([1, 0], dtype=np.int64), count)
-        n = mrf.num_nodes
-        self.later = np.bincount(low, minlength=n)  # neighbours after the node
-        self.earlier = np.bincount(high, minlength=n)
-        self.chains = np.maximum(np.maximum(self.later, self.earlier), 1)
 
-
-def _sweep_plan(ends: _Ends, forward: bool) -> _SweepPlan:
-    """The sweep visiting nodes in index order (``forward``) or backwards: per node
-    its incoming messages (laid out by node in ``Trws.incoming``), then its links,
-    first to the neighbours behind it (labelled already when it is reached, in
-    edge order: the order decoding adds their rows), then to those ahead (sent
-    messages), and its weights (``1 / n_s`` and the share of chains ending at it)."""
-    n = len(ends.chains)
-    ahead_is_higher = ends.rows == 1  # ends whose neighbour comes later in index order
-    ahead = ahead_is_higher if forward else ~ahead_is_higher
-    position = ends.node if forward else n - 1 - ends.node
-    order = np.lexsort((ends.edge, ahead, position))
-    links = np.stack(
-        [ahead.astype(np.int64), ends.other, ends.table_at, ends.msg_in, ends.msg_out, ends.rows],
-        axis=1,
-    )[order]
-    nodes = np.arange(n, dtype=np.int64) if forward else np.arange(n - 1, -1, -1, dtype=np.int64)
-    degree = ends.later + ends.earlier
-    in_at = np.concatenate([[0], np.cumsum(degree)]).astype(np.int64)
-    link_at = np.concatenate([[0], np.cumsum(degree[nodes])]).astype(np.int64)
-    steps = np.stack([nodes, in_at[nodes], in_at[nodes + 1], link_at[:-1], link_at[1:]], axis=1)
-    n_ahead = (ends.later if forward else ends.earlier)[nodes]
-    chains = ends.chains[nodes]
-    weights = np.stack([1.0 / chains, (chains - n_ahead) / chains], axis=1)
-    return _SweepPlan(steps.reshape(-1, 5), links.reshape(-1, 6), weights.reshape(-1, 2))
+@numba.njit(cache=True, nogil=True)
+def _sweep_plan(
+    start: np.ndarray, nbr: np.ndarray, edge: np.ndarray, lower: np.ndarray,
+    offset: np.ndarray, incoming: np.ndarray, msg_out: np.ndarray, later: np.ndarray,
+    earlier: np.ndarray, forward: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = start.shape[0] - 1
+    steps, links, weights = np.empty((n, 5), np.int64), np.empty((nbr.shape[0], 6), np.int64), np.empty((n, 2))
+    at = 0
+    for i in range(n):
+        v = i if forward else n - 1 - i
+        steps[i, 0], steps[i, 1], steps[i, 2], steps[i, 3] = v, start[v], start[v + 1], at
+        for ahead in (False, True):
+            for p in range(start[v], start[v + 1]):
+                if (lower[p] == forward) == ahead:  # the neighbour comes later in the sweep
+                    links[at, 0], links[at, 1], links[at, 2] = ahead, nbr[p], offset[edge[p]]
+                    links[at, 3], links[at, 4], links[at, 5] = incoming[p], msg_out[p], lower[p]
+                    at += 1
+        steps[i, 4] = at
+        chains = max(later[v], earlier[v], 1)
+        weights[i, 0] = 1.0 / chains
+        weights[i, 1] = (chains - (later[v] if forward else earlier[v])) / chains
+    return steps, links, weights
 
 
 class _Best:
