@@ -198,24 +198,31 @@ def _send(
 ) -> None:
     """``out[j] = min_s table(s, j) + w[s]`` for ``j < ku``, ``w[s] = gamma * th[s] -
     message[s]`` for ``s < kv`` (``w``: scratch), each entry a running minimum over
-    ``s`` in order, whichever way round the table is stored (one store per entry:
-    about 10% faster than updating the whole message per row)."""
+    ``s`` in order, whichever way round the table is stored: one store per entry
+    (about 10% faster than updating the whole message per row), four entries at a
+    time (their chains of comparisons overlap: 7% more)."""
     at, inbound = links[link, 2], links[link, 3]
     for s in range(kv):
         w[s] = gamma * th[s] - msg[inbound + s]
-    if links[link, 5]:  # rows ours: entry j is column j's minimum
-        for j in range(ku):
-            best = np.inf
-            for s in range(kv):
-                best = min(best, tables[at + s * ku + j] + w[s])
-            out[j] = best
-    else:  # rows the neighbour's: entry j is row j's minimum
-        for j in range(ku):
-            row = at + j * kv
-            best = np.inf
-            for s in range(kv):
-                best = min(best, tables[row + s] + w[s])
-            out[j] = best
+    # entry (s, j) of the table at ``at + j * step + s * stride``
+    step, stride = (1, ku) if links[link, 5] else (kv, 1)
+    j = 0
+    while j + 4 <= ku:
+        b0 = b1 = b2 = b3 = np.inf
+        base = at + j * step
+        for s in range(kv):
+            ws, o = w[s], base + s * stride
+            b0 = min(b0, tables[o] + ws)
+            b1 = min(b1, tables[o + step] + ws)
+            b2 = min(b2, tables[o + 2 * step] + ws)
+            b3 = min(b3, tables[o + 3 * step] + ws)
+        out[j], out[j + 1], out[j + 2], out[j + 3] = b0, b1, b2, b3
+        j += 4
+    for j in range(j, ku):
+        best = np.inf
+        for s in range(kv):
+            best = min(best, tables[at + j * step + s * stride] + w[s])
+        out[j] = best
 
 
 @_inline
