@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(VENV)/bin/python -m torchtitan_autoparallel.planner.warm_up  # numba's compile, once
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -1,12 +1,13 @@
-"""The compiled presolve's Python side: a tie-free ``Problem`` in, the reduced one out.
+"""The compiled presolve's Python side: a tie-collapsed problem in, the reduced one out.
 
-``reduce_compiled`` packs the problem into ``compiled_reduce``'s flat arrays, runs
-the fixed point in one call and returns a ``CompiledGraph``: what ``presolve``
-reads of a reduced ``reduce.Graph`` (each node's labels, the survivors, the
-offset, the reduced problem, a plan's expansion), bit for bit. It takes the
-problems ``collapse_ties`` makes: edges between distinct nodes, at most one per
-pair, every node with a label; it returns None for any other, which ``Graph``
-reduces instead.
+``reduce_compiled`` lays the problem (``collapse.Collapsed``) out as
+``compiled_reduce``'s arrays, runs the fixed point in one call and returns a
+``CompiledGraph``: what ``presolve`` reads of a reduced ``reduce.Graph`` (each
+node's labels, the survivors, the offset, the reduced problem flat or as a
+``Problem``, a plan's expansion), bit for bit. It takes the problems
+``collapse`` makes: edges between distinct nodes, at most one per pair, every
+node with a label; it returns None for any other, which ``Graph`` reduces
+instead.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from torchtitan_autoparallel.planner.problem import (
     ProblemArrays,
 )
 from torchtitan_autoparallel.planner.solvers import reduce
-from torchtitan_autoparallel.planner.solvers.collapse import Collapsed, collapse
-from torchtitan_autoparallel.planner.solvers.compiled_reduce import (  # noqa: F401
+from torchtitan_autoparallel.planner.solvers.collapse import Collapsed
+from torchtitan_autoparallel.planner.solvers.compiled_reduce import (
     ARENA,
     EDGES,
     FIXED,
@@ -37,14 +38,14 @@ from torchtitan_autoparallel.planner.solvers.compiled_reduce import (  # noqa: F
     RECORDS,
     STATUS,
     STATUS_NODE,
-    _strides,
     _run,
     _State,
+    _strides,
+    readout,
 )
 from torchtitan_autoparallel.planner.solvers.ilp_model import memory_message
 
 _jit = numba.njit(cache=True, nogil=True)
-_inline = numba.njit(cache=True, nogil=True, inline="always")
 ROOM = 2  # arena room past the shared tables, in multiples of every edge's (a retry doubles it)
 COUNTERS, SUMS = 8, 2
 
@@ -53,12 +54,13 @@ class CompiledGraph:
     """A reduced problem as ``compiled_reduce`` left it; read as a reduced ``Graph``."""
 
     def __init__(self, state: _State, collapsed: Collapsed) -> None:
-        self._g = state
+        self._state = state  # for the compiled expansion and tables
+        self._g = readout(state)
         self.collapsed = collapsed
-        self.alive = state.alive
+        self.alive = self._g.alive
         self.budget = collapsed.flat.memory_budget
-        self.offset = float(state.sums[OFFSET])
-        self.fixed_memory = float(state.sums[FIXED_MEMORY])
+        self.offset = float(self._g.sums[OFFSET])
+        self.fixed_memory = float(self._g.sums[FIXED_MEMORY])
 
     @cached_property
     def domain(self) -> list[np.ndarray]:
@@ -80,7 +82,7 @@ class CompiledGraph:
         g = self._g
         full = np.full(len(self.alive), -1, dtype=np.int64)
         full[survivors] = g.dom[g.start[survivors] + np.asarray(x, dtype=np.int64)]
-        _expand(g, full)
+        _expand(self._state, full)
         return full
 
     @cached_property
@@ -99,7 +101,7 @@ class CompiledGraph:
     def reduced_flat(self) -> FlatProblem:
         """The survivors, their tables and memory (``Graph.reduced_problem``, flat)."""
         g, survivors, where = self._g, self.survivors, self._where
-        edges, packed = _survivor_tables(g, survivors)
+        edges, packed = _survivor_tables(self._state, survivors)
         size = g.size[survivors]
         holds = g.has_mem[survivors]
         holders = np.flatnonzero(holds)
@@ -138,12 +140,13 @@ def reduce_compiled(
     while True:
         g = _state(flat, prune_memory, dominance, room, scan)
         _run(g, pins[:, 0].copy(), pins[:, 1].copy())
-        status = int(g.counters[STATUS])
+        counters = readout(g).counters
+        status = int(counters[STATUS])
         if status != OUT_OF_ROOM:
             break
         room = max(1, 2 * room)  # a chain of eliminations made more new tables than that
     if status == NOTHING_LEFT:
-        raise InfeasibleProblem(reduce.nothing_left(collapsed.node_name(int(g.counters[STATUS_NODE]))))
+        raise InfeasibleProblem(reduce.nothing_left(collapsed.node_name(int(counters[STATUS_NODE]))))
     return CompiledGraph(g, collapsed)
 
 

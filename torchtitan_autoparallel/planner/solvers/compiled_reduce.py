@@ -26,9 +26,13 @@ its two tables and its unary where they lie: once a node is eliminated nothing
 writes them again (its edges left every adjacency, and new tables go to the end
 of the arena), so they need no copy.
 
-Each field read off the state counts a reference (an atomic update), so loops
-read arrays bound to local names first: reading them off the state inside the
-loops made this slower than ``Graph``.
+The state is a numba ``StructRef``: every helper takes it as one pointer. As a
+tuple of its 34 fields it was unpacked, and its references counted, field by
+field at every call, which made the engine's first compile twice as long
+(about 45 s against 25 s here) for no faster run. Each field read off it still
+counts a reference (an atomic update), so loops read arrays bound to local
+names first: reading them off the state inside the loops made this slower
+than ``Graph``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from collections import namedtuple
 
 import numba
 import numpy as np
+from numba.core import types
+from numba.experimental import structref
 
 from torchtitan_autoparallel.planner.solvers import kernels
 
@@ -50,19 +56,33 @@ EDGES, ARENA, RECORDS, INTS, HEAD, QUEUED, STATUS, STATUS_NODE = range(8)
 # ``sums`` slots
 OFFSET, FIXED_MEMORY = 0, 1
 
-_State = namedtuple(
-    "_State",
-    [
-        "start", "size", "dom", "unary", "mem", "has_mem", "alive",
-        "adj_start", "adj_count", "adj_nbr", "adj_edge",
-        "e_row", "e_col", "e_at", "e_own", "arena",
-        "ring", "queued",
-        "r_kind", "r_node", "r_parent", "r_sizes", "r_ints", "r_link", "ints",
-        "counters", "sums",
-        "budget", "prune_memory", "dominance", "scan",
-        "budget_rtol", "separable_rtol", "max_work",
-    ],
+FIELDS = (
+    "start", "size", "dom", "unary", "mem", "has_mem", "alive",
+    "adj_start", "adj_count", "adj_nbr", "adj_edge",
+    "e_row", "e_col", "e_at", "e_own", "arena",
+    "ring", "queued",
+    "r_kind", "r_node", "r_parent", "r_sizes", "r_ints", "r_link", "ints",
+    "counters", "sums",
+    "budget", "prune_memory", "dominance", "scan",
+    "budget_rtol", "separable_rtol", "max_work",
 )
+
+
+@structref.register
+class StateType(types.StructRef):
+    """The numba type of ``_State``; fields keep their types as built."""
+
+    def preprocess_fields(self, fields):
+        return tuple((name, types.unliteral(t)) for name, t in fields)
+
+
+class _State(structref.StructRefProxy):
+    """The engine's arrays and settings (``FIELDS``); ``compiled_graph._new_state`` builds it."""
+
+
+structref.define_proxy(_State, StateType, FIELDS)
+# what the Python side reads of a finished run (``readout``)
+Readout = namedtuple("Readout", "alive sums counters dom start size has_mem mem unary")
 
 
 # --- the work list and the adjacency -------------------------------------------
@@ -549,3 +569,8 @@ def _run(g: _State, pin_nodes: np.ndarray, pin_labels: np.ndarray) -> None:
             continue
         if not _drop_slack_memory(g):
             return
+
+
+@_jit
+def readout(g: _State) -> Readout:
+    return Readout(g.alive, g.sums, g.counters, g.dom, g.start, g.size, g.has_mem, g.mem, g.unary)

@@ -167,7 +167,6 @@ def build_mrf(problem: Problem | FlatProblem) -> Mrf:
     if isinstance(problem, Problem):
         problem = problem.flat_problem
     flat = problem.arrays
-    n = problem.num_nodes
     pins = np.array(sorted(problem.pins.items()), dtype=np.int64).reshape(-1, 2)
     use_memory = problem.memory_budget is not None and len(flat.memory_nodes) > 0
     rows = np.zeros(len(flat.unary))
