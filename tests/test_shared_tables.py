@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from torchtitan_autoparallel.planner.problem import Problem, share_tables
-from torchtitan_autoparallel.planner.solvers import get_solver
+from torchtitan_autoparallel.planner.solvers import get_solver, kernels
 from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
 from torchtitan_autoparallel.planner.solvers.ilp_model import tie_components
 
@@ -144,10 +146,15 @@ import numba
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 from test_shared_tables import stacked_layers
-from torchtitan_autoparallel.planner.solvers import get_solver, kernels
+from torchtitan_autoparallel.planner import sums
+from torchtitan_autoparallel.planner.solvers import (
+    collapse, compiled_graph, compiled_reduce, get_solver, kernels, local_search, mrf, trws,
+)
+
+COMPILED = (kernels, sums, collapse, compiled_reduce, compiled_graph, local_search, mrf, trws)
 
 def signatures():
-    return {name: len(f.signatures) for name, f in vars(kernels).items()
+    return {(m.__name__, name): len(f.signatures) for m in COMPILED for name, f in vars(m).items()
             if isinstance(f, numba.core.registry.CPUDispatcher)}
 
 kernels.warm_up()
@@ -161,6 +168,7 @@ for layers in (3, 9, 20):
         get_solver(name).solve(problem)
 grown = {k: (before.get(k, 0), n) for k, n in signatures().items() if n != before.get(k, 0)}
 print("GROWN", grown)
+print("WATCHED", len(before))
 """
 
 
@@ -178,3 +186,18 @@ def test_warm_up_covers_every_kernel_signature_a_solve_uses() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "GROWN {}" in done.stdout, done.stdout
+    assert int(done.stdout.split("WATCHED")[1]) > 40  # every compiled module's functions
+
+
+def test_a_long_warm_up_says_it_is_compiling(monkeypatch, caplog) -> None:
+    """A first run compiles for about a minute and a half: the log says so as it
+    starts, not only once it is done."""
+    import logging
+
+    monkeypatch.setattr(kernels, "COMPILE_NOTICE_S", 0.0)  # any warm-up counts as long
+    monkeypatch.setattr(kernels, "_compile_all", lambda: time.sleep(1.1))
+    with caplog.at_level(logging.INFO, logger="torchtitan_autoparallel.planner"):
+        kernels.warm_up()
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("compiling the solver kernels, once per machine and version")
+    assert said[1].startswith("compiled the solver kernels in 1.1 s")

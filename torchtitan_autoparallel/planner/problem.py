@@ -84,9 +84,12 @@ class ProblemArrays:
             itertools.chain.from_iterable(ties), dtype=np.int64, count=int(sizes.sum())
         )
         heads = (np.cumsum(sizes) - sizes)[sizes > 0]
+        unary, memory = np.asarray(unary, dtype=np.float64), np.asarray(memory, dtype=np.float64)
+        for a in (unary, memory, flat):  # as ``packed``'s: one compiled signature for both
+            a.flags.writeable = False
         return cls(
-            k, starts, np.asarray(unary, dtype=np.float64), memory_nodes,
-            _starts(k[memory_nodes]), np.asarray(memory, dtype=np.float64), tables,
+            k, starts, unary, memory_nodes,
+            _starts(k[memory_nodes]), memory, tables,
             table_of_edge, flat, _starts(shapes.prod(axis=1))[:-1], shapes,
             shapes[:, 1].copy(), members, sizes, np.repeat(members[heads], sizes[sizes > 0]),
         )
