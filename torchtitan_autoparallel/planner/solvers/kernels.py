@@ -529,7 +529,7 @@ def warm_up() -> None:
     finally:
         notice.cancel()
     seconds = time.perf_counter() - start
-    if seconds > 1.0:
+    if seconds > COMPILE_NOTICE_S:  # loading the cache takes 0.5-1.5 s: not worth a line
         LOG.info("compiled the solver kernels in %.1f s (cached for later runs)", seconds)
 
 
