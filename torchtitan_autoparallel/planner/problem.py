@@ -324,26 +324,25 @@ class Problem:
 
     def save(self, path: str | Path) -> None:
         """Write the problem as one ``.npz`` file that anyone can re-solve."""
+        flat = self.arrays  # the file's layout; tables equal in content are stored once (below)
         arrays: dict[str, np.ndarray] = {
             "format_version": np.array(FORMAT_VERSION),
             "node_names": np.array(self.node_names, dtype=object),
             "strategy_labels": np.array(
                 ["\x1f".join(labels) for labels in self.strategy_labels], dtype=object
             ),
-            "num_strategies": self.num_strategies,
-            "unary": _concat(self.unary),
+            "num_strategies": flat.k,
+            "unary": flat.unary,
             "edges": self.edges,
             **_table_arrays(self.pairwise),
-            "memory_nodes": np.array(
-                [v for v, m in enumerate(self.memory) if m is not None], dtype=np.int64
-            ),
-            "memory": _concat([m for m in self.memory if m is not None]),
+            "memory_nodes": flat.memory_nodes,
+            "memory": flat.memory,
             "memory_budget": np.array(
                 np.nan if self.memory_budget is None else self.memory_budget
             ),
             "pins": np.array(sorted(self.pins.items()), dtype=np.int64).reshape(-1, 2),
-            "tie_nodes": _concat([np.asarray(g, dtype=np.int64) for g in self.ties]),
-            "tie_sizes": np.array([len(g) for g in self.ties], dtype=np.int64),
+            "tie_nodes": flat.tie_nodes,
+            "tie_sizes": flat.tie_sizes,
         }
         np.savez_compressed(path, **arrays)
 

@@ -21,7 +21,7 @@ import numba
 import numpy as np
 
 from torchtitan_autoparallel.planner import sums
-from torchtitan_autoparallel.planner.problem import FlatProblem, Problem
+from torchtitan_autoparallel.planner.problem import FlatProblem, Problem, ProblemArrays
 from torchtitan_autoparallel.planner.solvers import kernels
 
 _jit = numba.njit(cache=True, nogil=True)
@@ -185,7 +185,7 @@ def build_mrf(problem: Problem | FlatProblem) -> Mrf:
     return Mrf(k, domain, unary, edges, tables, offset, memory if keep_memory else None, cap, big)
 
 
-def _member_positions(flat) -> np.ndarray:  # noqa: ANN001 (ProblemArrays)
+def _member_positions(flat: ProblemArrays) -> np.ndarray:
     """Where the memory holders' entries sit in a vector laid out as the unaries."""
     holders = flat.memory_nodes
     sizes = flat.k[holders]
