@@ -31,7 +31,6 @@ from torchtitan_autoparallel.planner.solvers import kernels
 from torchtitan_autoparallel.planner.solvers.ilp_model import group_components
 
 
-
 @dataclass
 class Collapsed:
     """The tie-free problem of one node per tie group, as flat arrays (``flat``);

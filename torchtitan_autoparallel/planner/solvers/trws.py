@@ -63,8 +63,8 @@ class Trws:
     def __init__(self, mrf: Mrf) -> None:
         self.mrf = mrf
         self.starts = mrf.starts
-        start, _, edge, lower, offset, _ = mrf.adjacency
-        size, self.incoming, *plans = _plans(start, mrf.adjacency[1], edge, lower, offset, mrf.k)
+        start, nbr, edge, lower, offset, _ = mrf.adjacency
+        size, self.incoming, *plans = _plans(start, nbr, edge, lower, offset, mrf.k)
         self.msg = np.zeros(size)
         self.forward = _SweepPlan(*plans[:3])
         self.backward = _SweepPlan(*plans[3:])
