@@ -172,9 +172,14 @@ def _side_by_side(g: _State, v: int) -> tuple[np.ndarray, np.ndarray]:
     for i in range(count):
         at, rows, cols = _strides(g, g.adj_edge[lo + i], v)
         c0, ku = starts[i], size[nbr[lo + i]]
-        for s in range(kv):
+        if cols == 1:  # rows ours: each row a run of the arena (a loop the compiler widens)
+            for s in range(kv):
+                for j in range(ku):
+                    side[s, c0 + j] = arena[at + s * rows + j]
+        else:  # stored the other way round: each column of ``side`` a run of the arena
             for j in range(ku):
-                side[s, c0 + j] = arena[at + s * rows + j * cols]
+                for s in range(kv):
+                    side[s, c0 + j] = arena[at + j * cols + s]
     return side, starts
 
 
