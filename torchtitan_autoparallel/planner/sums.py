@@ -209,10 +209,11 @@ def edge_slots(edges: np.ndarray, group_of: np.ndarray, groups: int, table_of_ed
     starts, each slot's pair, and whether its terms are all one table one way round."""
     count = edges.shape[0]
     lo, hi = np.empty(count, np.int64), np.empty(count, np.int64)
+    turned = np.empty(count, np.bool_)
     inner = 0
     for e in range(count):
         a, b = group_of[edges[e, 0]], group_of[edges[e, 1]]
-        lo[e], hi[e] = min(a, b), max(a, b)
+        lo[e], hi[e], turned[e] = min(a, b), max(a, b), a > b
         inner += a == b
     inside, outer = np.empty(inner, np.int64), np.empty(count - inner, np.int64)
     i = j = 0
@@ -223,25 +224,35 @@ def edge_slots(edges: np.ndarray, group_of: np.ndarray, groups: int, table_of_ed
         else:
             outer[j] = e
             j += 1
-    order = _counting_sort(outer, lo, groups, _counting_sort(outer, hi, groups, outer))
-    which, flipped = table_of_edge[order], np.empty(order.shape[0], np.bool_)
-    slots = 0
-    for i in range(order.shape[0]):
-        e = order[i]
-        flipped[i] = group_of[edges[e, 0]] > group_of[edges[e, 1]]
-        slots += i == 0 or lo[e] != lo[order[i - 1]] or hi[e] != hi[order[i - 1]]
-    bounds, pairs = np.empty(slots + 1, np.int64), np.empty((slots, 2), np.int64)
-    uniform = np.ones(slots, np.bool_)
+    order = _pair_order(outer, lo, hi, groups)
+    # one pass in sorted order; at most one slot per edge, trimmed after
+    m = order.shape[0]
+    which, flipped = np.empty(m, np.int64), np.empty(m, np.bool_)
+    bounds, pairs, uniform = np.empty(m + 1, np.int64), np.empty((m, 2), np.int64), np.ones(m, np.bool_)
     s = -1
-    for i in range(order.shape[0]):
+    for i in range(m):
         e = order[i]
-        if i == 0 or lo[e] != lo[order[i - 1]] or hi[e] != hi[order[i - 1]]:
+        which[i], flipped[i] = table_of_edge[e], turned[e]
+        if s < 0 or lo[e] != pairs[s, 0] or hi[e] != pairs[s, 1]:
             s += 1
             bounds[s], pairs[s, 0], pairs[s, 1] = i, lo[e], hi[e]
         elif which[i] != which[i - 1] or flipped[i] != flipped[i - 1]:
             uniform[s] = False
-    bounds[slots] = order.shape[0]
-    return inside, order, which, flipped, bounds, pairs, uniform
+    slots = s + 1
+    bounds[slots] = m
+    return inside, order, which, flipped, bounds[: slots + 1], pairs[:slots], uniform[:slots]
+
+
+@_jit
+def _pair_order(outer: np.ndarray, lo: np.ndarray, hi: np.ndarray, groups: int) -> np.ndarray:
+    """``outer`` stably sorted by (``lo``, ``hi``): one counting sort on the pair where
+    its buckets are not many more than the edges, else by ``hi`` then by ``lo``."""
+    if groups * groups > 4 * outer.shape[0] + 4096:
+        return _counting_sort(outer, lo, groups, _counting_sort(outer, hi, groups, outer))
+    key = np.empty(lo.shape[0], np.int64)
+    for e in outer:
+        key[e] = lo[e] * groups + hi[e]
+    return _counting_sort(outer, key, groups * groups, outer)
 
 
 @_jit
