@@ -1,4 +1,4 @@
-"""Compiled inner loops of the presolve, TRW-S and local search (numba, cached on disk).
+"""Compiled inner loops of the presolve and local search (numba, cached on disk).
 
 numpy spends these loops building temporaries far larger than the answer
 (a ``(k_u, k_v, k_w)`` block for a min-plus product, a ``(k, k, width)`` one
@@ -12,14 +12,14 @@ order of the Python they replace, so every result keeps its bits.
 
 On AMD cores a loop that updates an array in place only where a value is
 smaller compiles to masked stores, which are slow: running minima are kept in
-registers a few entries at a time instead (``min_plus``, ``_send``), which made
-the min-plus products about 1.5x faster.
+registers a few entries at a time instead (``min_plus``; TRW-S's ``trws._send``
+likewise), which made the min-plus products about 1.5x faster.
 
-Inside the hot loops (TRW-S's sweep, dead-end elimination) helpers are inlined
-(``_inline``) and arrays are indexed in place rather than sliced: a call to a
-compiled helper or an array view counts references on every array it passes
-(atomic updates), which on the small tables of 2-D meshes cost more than the
-arithmetic. Doing without them made the sweep about 40% faster and the
+Inside the hot loops (dead-end elimination here, TRW-S's sweep in ``trws``)
+helpers are inlined (``_inline``) and arrays are indexed in place rather than
+sliced: a call to a compiled helper or an array view counts references on
+every array it passes (atomic updates), which on the small tables of 2-D
+meshes cost more than the arithmetic. Doing without them made the sweep about 40% faster and the
 presolve 10-30% faster, with the same bits.
 
 ``cache=True`` writes the machine code next to this file (or to numba's user
@@ -83,15 +83,20 @@ def first_argmin_plus(left: np.ndarray, right: np.ndarray, i: int, j: int) -> in
 
 
 @_inline
+def _swap_at(rows: np.ndarray, s: int, t: int, j: int) -> float:
+    """``rows[s, j] - rows[t, j]`` with ``reduce.swap_difference``'s rule: a forbidden
+    ``s`` entry counts as ``+inf``, a forbidden ``t`` one against a finite ``s`` one
+    as ``-inf``."""
+    x = rows[s, j]
+    return np.inf if x == np.inf else x - rows[t, j]
+
+
+@_inline
 def _swap_min(rows: np.ndarray, s: int, t: int, lo: int, hi: int) -> float:
-    """``min_j (rows[s, j] - rows[t, j])`` over ``lo <= j < hi`` with
-    ``reduce.swap_difference``'s rule: a forbidden ``s`` entry counts as ``+inf``,
-    a forbidden ``t`` one against a finite ``s`` one as ``-inf``."""
+    """``min_j`` of ``_swap_at`` over ``lo <= j < hi``."""
     out = np.inf
     for j in range(lo, hi):
-        x = rows[s, j]
-        d = np.inf if x == np.inf else x - rows[t, j]
-        out = min(out, d)
+        out = min(out, _swap_at(rows, s, t, j))
     return out
 
 
@@ -108,13 +113,6 @@ def _row_extremes(rows: np.ndarray, s: int, lo: int, hi: int) -> tuple[int, int]
         if x > most:
             most_at, most = j, x
     return least_at, most_at
-
-
-@_inline
-def _swap_at(rows: np.ndarray, s: int, t: int, j: int) -> float:
-    """``rows[s, j] - rows[t, j]`` with ``_swap_min``'s rule."""
-    x = rows[s, j]
-    return np.inf if x == np.inf else x - rows[t, j]
 
 
 @_inline
@@ -194,109 +192,16 @@ def dominated(
             strict = t > s
             if not _passes(bound[t], strict):
                 continue
-            total = unary[s] - unary[t]
+            base = total = unary[s] - unary[t]
             for e in range(num_tables):
                 witness[e] = min(at_cheapest[e, t], _swap_at(tables, s, t, dearest[t, e]))
                 total += witness[e]
             if not _passes(total, strict):
                 continue
-            if _exact_passes(unary[s] - unary[t], tables, starts, s, t, strict, witness):
+            if _exact_passes(base, tables, starts, s, t, strict, witness):
                 out[s] = True
                 break
     return out
-
-
-@_inline
-def _add_row(
-    score: np.ndarray, kv: int, tables: np.ndarray, link: int, links: np.ndarray,
-    ku: int, label: int, msg: np.ndarray,
-) -> None:
-    """``score[s] += table(s, label) - message[s]`` for the neighbour's ``label``
-    (``links[link]`` names the table and the message)."""
-    at, inbound, rows = links[link, 2], links[link, 3], links[link, 5]
-    for s in range(kv):
-        # rows ours: the label picks a column; else it picks a row
-        entry = tables[at + s * ku + label] if rows else tables[at + label * kv + s]
-        score[s] = score[s] + (entry - msg[inbound + s])
-
-
-@_inline
-def _send(
-    th: np.ndarray,
-    kv: int,
-    gamma: float,
-    tables: np.ndarray,
-    link: int,
-    links: np.ndarray,
-    msg: np.ndarray,
-    out: np.ndarray,
-    ku: int,
-    w: np.ndarray,
-) -> None:
-    """``out[j] = min_s table(s, j) + w[s]`` for ``j < ku``, ``w[s] = gamma * th[s] -
-    message[s]`` for ``s < kv`` (``w``: scratch), each entry a running minimum over
-    ``s`` in order, whichever way round the table is stored: one store per entry
-    (updating the whole message per row compiles to masked stores, slower), several
-    entries at a time (their chains of comparisons overlap). Where the table's rows
-    are ours, an entry's neighbours in ``j`` are adjacent in memory: eight at a time
-    there (6-9% faster sweeps on the 2-D benchmark problems, 12-28% on 3-D)."""
-    at, inbound = links[link, 2], links[link, 3]
-    for s in range(kv):
-        w[s] = gamma * th[s] - msg[inbound + s]
-    j = 0
-    if links[link, 5]:  # entry (s, j) at ``at + s * ku + j``
-        while j + 8 <= ku:
-            b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = np.inf
-            for s in range(kv):
-                ws, o = w[s], at + s * ku + j
-                b0 = min(b0, tables[o] + ws)
-                b1 = min(b1, tables[o + 1] + ws)
-                b2 = min(b2, tables[o + 2] + ws)
-                b3 = min(b3, tables[o + 3] + ws)
-                b4 = min(b4, tables[o + 4] + ws)
-                b5 = min(b5, tables[o + 5] + ws)
-                b6 = min(b6, tables[o + 6] + ws)
-                b7 = min(b7, tables[o + 7] + ws)
-            out[j], out[j + 1], out[j + 2], out[j + 3] = b0, b1, b2, b3
-            out[j + 4], out[j + 5], out[j + 6], out[j + 7] = b4, b5, b6, b7
-            j += 8
-        step, stride = 1, ku
-    else:  # entry (s, j) at ``at + j * kv + s``
-        while j + 4 <= ku:
-            b0 = b1 = b2 = b3 = np.inf
-            base = at + j * kv
-            for s in range(kv):
-                ws, o = w[s], base + s
-                b0 = min(b0, tables[o] + ws)
-                b1 = min(b1, tables[o + kv] + ws)
-                b2 = min(b2, tables[o + 2 * kv] + ws)
-                b3 = min(b3, tables[o + 3 * kv] + ws)
-            out[j], out[j + 1], out[j + 2], out[j + 3] = b0, b1, b2, b3
-            j += 4
-        step, stride = kv, 1
-    for j in range(j, ku):
-        best = np.inf
-        for s in range(kv):
-            best = min(best, tables[at + j * step + s * stride] + w[s])
-        out[j] = best
-
-
-@_inline
-def _least(a: np.ndarray, n: int) -> float:
-    out = np.inf
-    for i in range(n):
-        out = min(out, a[i])
-    return out
-
-
-@_inline
-def _first_least(a: np.ndarray, n: int) -> int:
-    """``np.argmin(a[:n])`` (the first of equal minima)."""
-    best = 0
-    for i in range(1, n):
-        if a[i] < a[best]:
-            best = i
-    return best
 
 
 @_inline
@@ -371,73 +276,6 @@ def scan(
             ok = np.isfinite(memory[s]) and fixed + memory[s] <= limit
         keep[s] = ok
     return split, keep, split.any(), keep.all()
-
-
-@_jit
-def trws_sweep(
-    theta: np.ndarray,
-    starts: np.ndarray,
-    msg: np.ndarray,
-    tables: np.ndarray,
-    plan: np.ndarray,
-    links: np.ndarray,
-    incoming: np.ndarray,
-    weights: np.ndarray,
-    big: float,
-) -> tuple[np.ndarray, float]:
-    """One TRW-S sweep (``trws`` module doc): update the messages in ``msg`` in place,
-    decode a labeling, and return it with the sweep's lower bound.
-
-    ``theta[starts[v]:starts[v + 1]]`` is node ``v``'s unary. Row ``i`` of ``plan``
-    describes the ``i``-th node of the sweep: (node, first and end rows of its
-    ``incoming`` positions, first and end rows of its ``links``); ``weights[i]`` its
-    (gamma, share of the bound held by chains ending there). A link row is (1 if
-    the neighbour is ahead in the sweep, the neighbour, where its table starts in
-    ``tables``, where the message from the neighbour starts in ``msg``, where the
-    one to it starts, 1 if the table's rows are this node's strategies). Each
-    table is read in the orientation it is stored in, so none is copied."""
-    n = plan.shape[0]
-    kmax = 0
-    for v in range(n):
-        kmax = max(kmax, starts[v + 1] - starts[v])
-    x = np.zeros(n, dtype=np.int64)
-    th, score, out, w = np.empty(kmax), np.empty(kmax), np.empty(kmax), np.empty(kmax)
-    bound = 0.0
-    for i in range(n):
-        v, in_lo, in_hi = plan[i, 0], plan[i, 1], plan[i, 2]
-        link_lo, link_hi = plan[i, 3], plan[i, 4]
-        kv, lo = starts[v + 1] - starts[v], starts[v]
-        gamma, end = weights[i, 0], weights[i, 1]
-        # messages first, then the unary: numpy's order, kept so that no plan changed
-        for s in range(kv):
-            th[s] = 0.0
-        # element by element: array slices would allocate and count references
-        for p in range(in_lo, in_hi):
-            at = incoming[p]
-            for s in range(kv):
-                th[s] += msg[at + s]
-        for s in range(kv):
-            th[s] = theta[lo + s] + th[s] if in_hi > in_lo else theta[lo + s]
-        bound += end * _least(th, kv)
-        for s in range(kv):
-            score[s] = th[s]
-        for p in range(link_lo, link_hi):
-            if not links[p, 0]:  # a labelled neighbour: its table row replaces its message
-                u = links[p, 1]
-                _add_row(score, kv, tables, p, links, starts[u + 1] - starts[u], x[u], msg)
-        x[v] = _first_least(score, kv)
-        for p in range(link_lo, link_hi):
-            if links[p, 0]:
-                u = links[p, 1]
-                ku = starts[u + 1] - starts[u]
-                _send(th, kv, gamma, tables, p, links, msg, out, ku, w)
-                d = _least(out, ku)
-                bound += d
-                for j in range(ku):
-                    msg[links[p, 4] + j] = out[j] - d
-    for j in range(msg.shape[0]):
-        msg[j] = min(msg[j], big)
-    return x, bound
 
 
 @_jit
@@ -616,9 +454,6 @@ def _compile_all() -> None:
     scan(np.zeros(2), table, starts, 0.0, np.zeros(0), 0.0, 1.0)
     for t in (table, table.T, frozen, frozen.T):
         separable(t, 0.0)
-    plan = np.zeros((0, 5), dtype=np.int64)
-    trws_sweep(np.zeros(0), np.zeros(1, np.int64), np.zeros(0), np.zeros(0), plan, plan,
-               np.zeros(0, np.int64), np.zeros((0, 2)), 1.0)
     one = np.zeros(1, np.int64)
     picked_sum(np.zeros(1), one, one)
     add_rows(np.zeros((1, 1)), np.zeros(1), one + 1, one)

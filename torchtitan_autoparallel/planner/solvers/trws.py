@@ -37,8 +37,10 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from torchtitan_autoparallel.planner.solvers import kernels
 from torchtitan_autoparallel.planner.solvers.mrf import Mrf
+
+_jit = numba.njit(cache=True, nogil=True)
+_inline = numba.njit(cache=True, nogil=True, inline="always")
 
 OPTIMAL_RTOL = 1e-9  # energy within this of the bound: proven optimal
 GAP_RTOL = 1e-3  # default stop: the plan is proven within 0.1% of the optimum
@@ -106,7 +108,7 @@ class Trws:
 
     def _sweep(self, plan: _SweepPlan, unary: np.ndarray) -> tuple[np.ndarray, float]:
         """One sweep: update messages, decode a labeling, return it with the sweep's bound."""
-        return kernels.trws_sweep(
+        return sweep(
             unary, self.starts, self.msg, self.mrf.flat, plan.steps, plan.links,
             self.incoming, plan.weights, self.mrf.big,
         )
@@ -114,14 +116,14 @@ class Trws:
 
 @dataclass
 class _SweepPlan:
-    """One sweep's order and per-node work, as ``kernels.trws_sweep`` reads it."""
+    """One sweep's order and per-node work, as ``sweep`` reads it."""
 
     steps: np.ndarray  # (n, 5) int64
     links: np.ndarray  # (2E, 6) int64
     weights: np.ndarray  # (n, 2) gamma, share of the bound
 
 
-@numba.njit(cache=True, nogil=True)
+@_jit
 def _plans(
     start: np.ndarray, nbr: np.ndarray, edge: np.ndarray, lower: np.ndarray,
     offset: np.ndarray, k: np.ndarray,
@@ -161,7 +163,7 @@ def _plans(
     return size, incoming, forward[0], forward[1], forward[2], backward[0], backward[1], backward[2]
 
 
-@numba.njit(cache=True, nogil=True)
+@_jit
 def _sweep_plan(
     start: np.ndarray, nbr: np.ndarray, edge: np.ndarray, lower: np.ndarray,
     offset: np.ndarray, incoming: np.ndarray, msg_out: np.ndarray, later: np.ndarray,
@@ -184,6 +186,166 @@ def _sweep_plan(
         weights[i, 0] = 1.0 / chains
         weights[i, 1] = (chains - (later[v] if forward else earlier[v])) / chains
     return steps, links, weights
+
+
+@_inline
+def _add_row(
+    score: np.ndarray, kv: int, tables: np.ndarray, link: int, links: np.ndarray,
+    ku: int, label: int, msg: np.ndarray,
+) -> None:
+    """``score[s] += table(s, label) - message[s]`` for the neighbour's ``label``
+    (``links[link]`` names the table and the message)."""
+    at, inbound, rows = links[link, 2], links[link, 3], links[link, 5]
+    for s in range(kv):
+        # rows ours: the label picks a column; else it picks a row
+        entry = tables[at + s * ku + label] if rows else tables[at + label * kv + s]
+        score[s] = score[s] + (entry - msg[inbound + s])
+
+
+@_inline
+def _send(
+    th: np.ndarray,
+    kv: int,
+    gamma: float,
+    tables: np.ndarray,
+    link: int,
+    links: np.ndarray,
+    msg: np.ndarray,
+    out: np.ndarray,
+    ku: int,
+    w: np.ndarray,
+) -> None:
+    """``out[j] = min_s table(s, j) + w[s]`` for ``j < ku``, ``w[s] = gamma * th[s] -
+    message[s]`` for ``s < kv`` (``w``: scratch), each entry a running minimum over
+    ``s`` in order, whichever way round the table is stored: one store per entry
+    (updating the whole message per row compiles to masked stores, slower), several
+    entries at a time (their chains of comparisons overlap). Where the table's rows
+    are ours, an entry's neighbours in ``j`` are adjacent in memory: eight at a time
+    there (6-9% faster sweeps on the 2-D benchmark problems, 12-28% on 3-D)."""
+    at, inbound = links[link, 2], links[link, 3]
+    for s in range(kv):
+        w[s] = gamma * th[s] - msg[inbound + s]
+    j = 0
+    if links[link, 5]:  # entry (s, j) at ``at + s * ku + j``
+        while j + 8 <= ku:
+            b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = np.inf
+            for s in range(kv):
+                ws, o = w[s], at + s * ku + j
+                b0 = min(b0, tables[o] + ws)
+                b1 = min(b1, tables[o + 1] + ws)
+                b2 = min(b2, tables[o + 2] + ws)
+                b3 = min(b3, tables[o + 3] + ws)
+                b4 = min(b4, tables[o + 4] + ws)
+                b5 = min(b5, tables[o + 5] + ws)
+                b6 = min(b6, tables[o + 6] + ws)
+                b7 = min(b7, tables[o + 7] + ws)
+            out[j], out[j + 1], out[j + 2], out[j + 3] = b0, b1, b2, b3
+            out[j + 4], out[j + 5], out[j + 6], out[j + 7] = b4, b5, b6, b7
+            j += 8
+        step, stride = 1, ku
+    else:  # entry (s, j) at ``at + j * kv + s``
+        while j + 4 <= ku:
+            b0 = b1 = b2 = b3 = np.inf
+            base = at + j * kv
+            for s in range(kv):
+                ws, o = w[s], base + s
+                b0 = min(b0, tables[o] + ws)
+                b1 = min(b1, tables[o + kv] + ws)
+                b2 = min(b2, tables[o + 2 * kv] + ws)
+                b3 = min(b3, tables[o + 3 * kv] + ws)
+            out[j], out[j + 1], out[j + 2], out[j + 3] = b0, b1, b2, b3
+            j += 4
+        step, stride = kv, 1
+    for j in range(j, ku):
+        best = np.inf
+        for s in range(kv):
+            best = min(best, tables[at + j * step + s * stride] + w[s])
+        out[j] = best
+
+
+@_inline
+def _least(a: np.ndarray, n: int) -> float:
+    out = np.inf
+    for i in range(n):
+        out = min(out, a[i])
+    return out
+
+
+@_inline
+def _first_least(a: np.ndarray, n: int) -> int:
+    """``np.argmin(a[:n])`` (the first of equal minima)."""
+    best = 0
+    for i in range(1, n):
+        if a[i] < a[best]:
+            best = i
+    return best
+
+
+@_jit
+def sweep(
+    theta: np.ndarray,
+    starts: np.ndarray,
+    msg: np.ndarray,
+    tables: np.ndarray,
+    plan: np.ndarray,
+    links: np.ndarray,
+    incoming: np.ndarray,
+    weights: np.ndarray,
+    big: float,
+) -> tuple[np.ndarray, float]:
+    """One TRW-S sweep (module docstring): update the messages in ``msg`` in place,
+    decode a labeling, and return it with the sweep's lower bound.
+
+    ``theta[starts[v]:starts[v + 1]]`` is node ``v``'s unary. Row ``i`` of ``plan``
+    describes the ``i``-th node of the sweep: (node, first and end rows of its
+    ``incoming`` positions, first and end rows of its ``links``); ``weights[i]`` its
+    (gamma, share of the bound held by chains ending there). A link row is (1 if
+    the neighbour is ahead in the sweep, the neighbour, where its table starts in
+    ``tables``, where the message from the neighbour starts in ``msg``, where the
+    one to it starts, 1 if the table's rows are this node's strategies). Each
+    table is read in the orientation it is stored in, so none is copied."""
+    n = plan.shape[0]
+    kmax = 0
+    for v in range(n):
+        kmax = max(kmax, starts[v + 1] - starts[v])
+    x = np.zeros(n, dtype=np.int64)
+    th, score, out, w = np.empty(kmax), np.empty(kmax), np.empty(kmax), np.empty(kmax)
+    bound = 0.0
+    for i in range(n):
+        v, in_lo, in_hi = plan[i, 0], plan[i, 1], plan[i, 2]
+        link_lo, link_hi = plan[i, 3], plan[i, 4]
+        kv, lo = starts[v + 1] - starts[v], starts[v]
+        gamma, end = weights[i, 0], weights[i, 1]
+        # messages first, then the unary: numpy's order, kept so that no plan changed
+        for s in range(kv):
+            th[s] = 0.0
+        # element by element: array slices would allocate and count references
+        for p in range(in_lo, in_hi):
+            at = incoming[p]
+            for s in range(kv):
+                th[s] += msg[at + s]
+        for s in range(kv):
+            th[s] = theta[lo + s] + th[s] if in_hi > in_lo else theta[lo + s]
+        bound += end * _least(th, kv)
+        for s in range(kv):
+            score[s] = th[s]
+        for p in range(link_lo, link_hi):
+            if not links[p, 0]:  # a labelled neighbour: its table row replaces its message
+                u = links[p, 1]
+                _add_row(score, kv, tables, p, links, starts[u + 1] - starts[u], x[u], msg)
+        x[v] = _first_least(score, kv)
+        for p in range(link_lo, link_hi):
+            if links[p, 0]:
+                u = links[p, 1]
+                ku = starts[u + 1] - starts[u]
+                _send(th, kv, gamma, tables, p, links, msg, out, ku, w)
+                d = _least(out, ku)
+                bound += d
+                for j in range(ku):
+                    msg[links[p, 4] + j] = out[j] - d
+    for j in range(msg.shape[0]):
+        msg[j] = min(msg[j], big)
+    return x, bound
 
 
 class _Best:
