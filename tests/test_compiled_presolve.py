@@ -88,6 +88,35 @@ def test_new_tables_beyond_the_first_room_are_made_room_for(monkeypatch) -> None
     assert len(runs) > 1  # it did run out of room, and started again
 
 
+def test_the_collapse_buffer_is_one_engines_arena(monkeypatch) -> None:
+    """The compiled pass writes its tables past the collapsed ones, in the buffer
+    ``collapse`` left for it: a second pass over the same collapse must lay out its
+    own arena, or it would overwrite the first one's tables under its feet."""
+    from torchtitan_autoparallel.planner.solvers.collapse import collapse
+
+    rng = np.random.default_rng(11)
+    n = 10
+    edges = [(i, i + 1) for i in range(n - 1)] + [(0, 5), (2, 7), (3, 9)]
+    problem = make_problem(rng, edges, rng.integers(3, 6, size=n))
+    collapsed = collapse(problem, compiled_graph.ROOM)
+    tables = collapsed.flat.arrays.flat_tables.copy()
+    buffer = collapsed.buffer
+    assert np.shares_memory(buffer, collapsed.flat.arrays.flat_tables)
+    buffer[len(tables) :] = np.nan  # to see what the pass writes there
+    arenas, real = [], compiled_graph._arena
+    monkeypatch.setattr(compiled_graph, "_arena", lambda *a: arenas.append(real(*a)) or arenas[-1])
+    first = compiled_graph.reduce_compiled(collapsed)
+    assert collapsed.buffer is None  # taken by the first pass
+    assert not np.isnan(buffer[len(tables) :]).all()  # its tables of their own went there
+    before = first.reduced_flat.arrays.flat_tables.copy()
+    written = buffer.copy()
+    second = compiled_graph.reduce_compiled(collapsed)
+    assert arenas[0] is buffer and not np.shares_memory(arenas[1], buffer)
+    assert buffer.tobytes() == written.tobytes()
+    assert second.reduced_flat.arrays.flat_tables.tobytes() == before.tobytes()
+    assert collapsed.flat.arrays.flat_tables.tobytes() == tables.tobytes()  # never written
+
+
 # --- flat arrays and the scores read from them -----------------------------------
 
 

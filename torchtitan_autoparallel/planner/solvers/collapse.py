@@ -40,6 +40,15 @@ class Collapsed:
     flat: FlatProblem
     reps: np.ndarray  # each group's first node in ``source``
     group_of: np.ndarray  # each node of ``source``'s group
+    # writable, ``flat``'s tables at its head and free room after them (``collapse``'s
+    # ``room``), until ``take_buffer`` hands it on
+    buffer: np.ndarray | None = None
+
+    def take_buffer(self) -> np.ndarray | None:
+        """The buffer, once: whoever takes it may write past the tables, so a second
+        taker (another presolve of the same collapse) must lay out its own."""
+        buffer, self.buffer = self.buffer, None
+        return buffer
 
     def node_name(self, group: int) -> str:
         return self.source.node_names[int(self.reps[group])]
@@ -62,30 +71,50 @@ def collapse_ties(problem: Problem) -> tuple[Problem, np.ndarray]:
     return collapsed.problem(), collapsed.group_of
 
 
-def collapse(problem: Problem) -> Collapsed:
-    """``collapse_ties`` as flat arrays (module docstring)."""
+def collapse(problem: Problem, room: int = 0) -> Collapsed:
+    """``collapse_ties`` as flat arrays (module docstring). ``room``: leave that many
+    times the collapsed edges' table entries free after the tables, in one buffer
+    (``Collapsed.buffer``): the compiled presolve's arena, so that it need not copy
+    every table into one of its own (a fresh process faults on every page it first
+    touches, and those tables were the largest thing alive when the solve peaks)."""
     flat = problem.arrays
-    comp = group_components(problem.num_nodes, flat.tie_nodes, flat.tie_sizes, problem.ties)
-    # ``np.unique(comp, return_inverse=True)`` without its sort: labels are node indices
-    present = np.zeros(problem.num_nodes, dtype=bool)
-    present[comp] = True
-    reps = np.flatnonzero(present)
-    group_of = (np.cumsum(present) - 1)[comp]
+    reps, group_of = _groups(problem)
     k = flat.k
     kg = k[reps]
     unary = _group_rows(flat.unary, k, group_of, kg)
     # memory: only holders; the zeros of the others would add nothing to any sum's bits
     holders = flat.memory_nodes
     memory = _group_rows(flat.memory, k[holders], group_of[holders], kg)
-    edges, tables, shapes, table_of_edge = _group_edges(problem, group_of, kg, unary)
+    edges, buffer, shapes, table_of_edge = _group_edges(problem, group_of, kg, unary, room)
+    tables = buffer[: int(shapes.prod(axis=1).sum())]
     kept = np.arange(unary.shape[1]) < kg[:, None]  # each group's strategies in its row
-    has_memory = np.unique(group_of[holders])
+    has_memory = _present(group_of[holders], len(kg))
     arrays = ProblemArrays.packed(
         kg, unary[kept], has_memory, memory[has_memory][kept[has_memory]],
         tables, shapes, table_of_edge,
     )
     flat_problem = FlatProblem(arrays, edges, problem.memory_budget, _group_pins(problem, group_of))
-    return Collapsed(problem, flat_problem, reps, group_of)
+    return Collapsed(problem, flat_problem, reps, group_of, buffer)
+
+
+def _groups(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
+    """Each tie group's first node (in node order), and each node's group."""
+    flat = problem.arrays
+    disjoint, reps, group_of = sums.tie_groups(problem.num_nodes, flat.tie_nodes, flat.tie_first)
+    if disjoint:
+        return reps, group_of
+    comp = group_components(problem.num_nodes, flat.tie_nodes, flat.tie_sizes, problem.ties)
+    # ``np.unique(comp, return_inverse=True)`` without its sort: labels are node indices
+    present = np.zeros(problem.num_nodes, dtype=bool)
+    present[comp] = True
+    return np.flatnonzero(present), (np.cumsum(present) - 1)[comp]
+
+
+def _present(values: np.ndarray, size: int) -> np.ndarray:
+    """``np.unique(values)`` for values in ``[0, size)``, without its sort."""
+    present = np.zeros(size, dtype=bool)
+    present[values] = True
+    return np.flatnonzero(present)
 
 
 def _group_rows(
@@ -116,29 +145,30 @@ _NO_EDGES = (np.zeros((0, 2), np.int64), np.zeros(0), np.zeros((0, 2), np.int64)
 
 
 def _group_edges(
-    problem: Problem, group_of: np.ndarray, kg: np.ndarray, unary: np.ndarray
+    problem: Problem, group_of: np.ndarray, kg: np.ndarray, unary: np.ndarray, room: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Edges between distinct groups, parallel ones summed; inner ones onto ``unary``.
-    Returns the edges, their distinct tables laid out one after another, those
-    tables' shapes, and which one each edge has."""
+    Returns the edges, their distinct tables laid out one after another (then
+    ``room`` times every edge's table entries free), those tables' shapes, and which
+    one each edge has."""
     if not len(problem.edges):
         return _NO_EDGES
     flat = problem.arrays
-    inner, order, which, flip, bounds, pairs, uniform = sums.edge_slots(
+    inner, ident, bounds, pairs, uniform = sums.edge_slots(
         problem.edges, group_of, len(kg), flat.table_of_edge
     )
     for e in inner.tolist():  # both ends take one strategy: the diagonal is the group's
         g = int(group_of[problem.edges[e, 0]])
         unary[g, : kg[g]] += np.diag(problem.pairwise[e])
-    if not len(order):
+    if not len(ident):
         return _NO_EDGES
-    terms = _Terms(which, flip, which * 2 + flip)
-    tables, shapes, table_of_edge = _sum_parallel(flat, terms, bounds, uniform)
+    spare = room * int((kg[pairs[:, 0]] * kg[pairs[:, 1]]).sum())
+    tables, shapes, table_of_edge = _sum_parallel(flat, _Terms(ident), bounds, uniform, spare)
     return pairs, tables, shapes, table_of_edge
 
 
 def _sum_parallel(
-    flat: ProblemArrays, terms: _Terms, bounds: np.ndarray, uniform: np.ndarray
+    flat: ProblemArrays, terms: _Terms, bounds: np.ndarray, uniform: np.ndarray, spare: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One table per slot (``bounds``: where each starts in ``terms``): the sum of its
     edges' (oriented) tables.
@@ -153,40 +183,46 @@ def _sum_parallel(
     stacks of LLaMA3-70B make about 100 distinct sums out of 230 slots. Repeated
     layers share one table (``problem.share_tables``), so which one, and which way
     round (``terms.ident``), says which terms are equal without reading them; most
-    slots repeat one (``uniform``). Returns the distinct sums laid out one after
-    another, their shapes, and each slot's."""
-    packed, shapes, of_slot = _uniform_sums(flat, terms, bounds, uniform)
+    slots repeat one (``uniform``), and the few others' sums go after theirs.
+    Returns the distinct sums laid out one after another (then ``spare`` entries
+    free), their shapes, and each slot's."""
     mixed: dict[bytes, int] = {}
-    extra = []
+    extra, mixed_of = [], []
     for slot in np.flatnonzero(~uniform).tolist():
         a, b = int(bounds[slot]), int(bounds[slot + 1])
         key = terms.ident[a:b].tobytes()
         if key not in mixed:
-            mixed[key] = len(shapes) + len(extra)
-            extra.append(sums.mixed_sum(
-                flat.flat_tables, flat.table_at, flat.table_shapes, terms.which[a:b], terms.flip[a:b]
-            ))
-        of_slot[slot] = mixed[key]
+            mixed[key] = len(extra)
+            which, flip = terms.split(slice(a, b))
+            extra.append(sums.mixed_sum(flat.flat_tables, flat.table_at, flat.table_shapes, which, flip))
+        mixed_of.append((slot, mixed[key]))
+    room = sum(t.size for t in extra)
+    packed, shapes, of_slot = _uniform_sums(flat, terms, bounds, uniform, room + spare)
+    at = len(packed) - room - spare
+    for t in extra:
+        packed[at : at + t.size] = t.ravel()
+        at += t.size
+    for slot, i in mixed_of:
+        of_slot[slot] = len(shapes) + i
     if extra:
-        packed = np.concatenate([packed] + [t.ravel() for t in extra])
         shapes = np.concatenate([shapes, np.array([t.shape for t in extra], dtype=np.int64)])
     return packed, shapes, of_slot
 
 
 def _uniform_sums(
-    flat: ProblemArrays, terms: _Terms, bounds: np.ndarray, uniform: np.ndarray
+    flat: ProblemArrays, terms: _Terms, bounds: np.ndarray, uniform: np.ndarray, room: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The sums of the slots that repeat one table, in one compiled pass: each (table,
-    orientation, count) once. Returns them laid out one after another, their shapes,
-    and each slot's (-1 for the other slots)."""
+    orientation, count) once. Returns them laid out one after another (then ``room``
+    entries to fill), their shapes, and each slot's (-1 for the other slots)."""
     first, counts = bounds[:-1], np.diff(bounds)
     keys = np.where(uniform, terms.ident[first] * (int(counts.max()) + 1) + counts, -1)
     wanted, one, slot_of = np.unique(keys, return_index=True, return_inverse=True)
     if wanted[0] < 0:  # the mixed slots' key: not a sum of its own
         one, slot_of = one[1:], slot_of - 1
-    which, flip = terms.which[first[one]], terms.flip[first[one]]  # one slot per key
+    which, flip = terms.split(first[one])  # one slot per key
     packed, _ = sums.repeated_sums(
-        flat.flat_tables, flat.table_at, flat.table_shapes, which, flip, counts[one]
+        flat.flat_tables, flat.table_at, flat.table_shapes, which, flip, counts[one], room
     )
     shapes = flat.table_shapes[which]
     shapes[flip] = shapes[flip][:, ::-1]
@@ -195,9 +231,13 @@ def _uniform_sums(
 
 @dataclass
 class _Terms:
-    """Tables to add up, in order: which of the problem's distinct tables each term is,
-    whether it is turned round, and ``ident`` (equal: equal terms)."""
+    """Tables to add up, in order, each as ``ident = 2 * table + turned``: which of the
+    problem's distinct tables it is and whether it is turned round (equal: equal
+    terms)."""
 
-    which: np.ndarray
-    flip: np.ndarray
     ident: np.ndarray
+
+    def split(self, at: slice | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The terms ``at``: their tables, and whether each is turned round."""
+        ident = self.ident[at]
+        return ident >> 1, (ident & 1).astype(bool)

@@ -138,7 +138,7 @@ def reduce_compiled(
     room = ROOM
     pins = np.array(sorted(flat.pins.items()), dtype=np.int64).reshape(-1, 2)
     while True:
-        g = _state(flat, prune_memory, dominance, room, scan)
+        g = _state(flat, prune_memory, dominance, _arena(collapsed, room), scan)
         _run(g, pins[:, 0].copy(), pins[:, 1].copy())
         counters = readout(g).counters
         status = int(counters[STATUS])
@@ -161,10 +161,27 @@ def _supported(flat: FlatProblem) -> bool:
     return len(np.unique(keys)) == len(keys)
 
 
+def _arena(collapsed: Collapsed, room: int) -> np.ndarray:
+    """The distinct tables, shared until written (``compiled_reduce``), then room for
+    ``room`` times every edge's table: ``collapse``'s buffer where it left that much
+    (``presolve`` asks it to), else a copy."""
+    flat = collapsed.flat
+    tables, edges, k = flat.arrays.flat_tables, flat.edges, flat.arrays.k
+    need = len(tables) + room * int((k[edges[:, 0]] * k[edges[:, 1]]).sum())
+    buffer = collapsed.take_buffer()
+    if buffer is not None and len(buffer) >= need:
+        return buffer
+    arena = np.empty(need)
+    arena[: len(tables)] = tables
+    return arena
+
+
 def _state(
-    problem: FlatProblem, prune_memory: bool, dominance: bool, room: int, scan: bool = True
+    problem: FlatProblem, prune_memory: bool, dominance: bool, arena: np.ndarray,
+    scan: bool = True,
 ) -> _State:
-    """The engine's arrays for ``problem``, laid out as ``compiled_reduce`` describes."""
+    """The engine's arrays for ``problem`` (``arena``: ``_arena``'s), laid out as
+    ``compiled_reduce`` describes."""
     flat = problem.arrays
     holders = flat.memory_nodes
     if problem.memory_budget is None:  # as ``Graph``: memory counts only under a budget
@@ -177,15 +194,15 @@ def _state(
     )
     return _new_state(
         flat.k, flat.unary, holders, flat.memory_starts, flat.memory, problem.edges,
-        flat.flat_tables, flat.table_at, flat.table_of_edge, room, settings,
+        flat.flat_tables.shape[0], flat.table_at, flat.table_of_edge, arena, settings,
     )
 
 
 @_jit
 def _new_state(
     k: np.ndarray, unary: np.ndarray, holders: np.ndarray, memory_starts: np.ndarray,
-    memory: np.ndarray, edges: np.ndarray, flat_tables: np.ndarray, table_at: np.ndarray,
-    table_of_edge: np.ndarray, room: int, settings: tuple,
+    memory: np.ndarray, edges: np.ndarray, shared: int, table_at: np.ndarray,
+    table_of_edge: np.ndarray, arena: np.ndarray, settings: tuple,
 ) -> _State:
     n, count = k.shape[0], edges.shape[0]
     start = np.zeros(n + 1, dtype=np.int64)
@@ -203,21 +220,15 @@ def _new_state(
         for s in range(k[v]):
             mem[start[v] + s] = memory[memory_starts[i] + s]
     degree = np.zeros(n, dtype=np.int64)
-    used = 0
     for e in range(count):
         degree[edges[e, 0]] += 1
         degree[edges[e, 1]] += 1
-        used += k[edges[e, 0]] * k[edges[e, 1]]
     adj_start = np.zeros(n, dtype=np.int64)
     for v in range(1, n):
         adj_start[v] = adj_start[v - 1] + degree[v - 1] + 1  # one spare: ``compiled_reduce``
     slots = adj_start[n - 1] + degree[n - 1] + 1 if n else 0
     adj_count, adj_nbr, adj_edge = np.zeros(n, np.int64), np.zeros(slots, np.int64), np.zeros(slots, np.int64)
     e_row, e_col, e_at = np.zeros(count + n, np.int64), np.zeros(count + n, np.int64), np.zeros(count + n, np.int64)
-    # the distinct tables first, shared until written (``compiled_reduce``), then room
-    # for the tables edges come to own
-    arena = np.empty(flat_tables.shape[0] + room * used + 64)
-    arena[: flat_tables.shape[0]] = flat_tables
     for e in range(count):  # each node's neighbours in edge order, as ``Graph`` inserts them
         u, v = edges[e, 0], edges[e, 1]
         for w, x in ((u, v), (v, u)):
@@ -226,7 +237,7 @@ def _new_state(
             adj_count[w] += 1
         e_row[e], e_col[e], e_at[e] = u, v, table_at[table_of_edge[e]]
     counters = np.zeros(COUNTERS, dtype=np.int64)
-    counters[EDGES], counters[ARENA] = count, flat_tables.shape[0]
+    counters[EDGES], counters[ARENA] = count, shared
     kmax = 0
     for v in range(n):
         kmax = max(kmax, k[v])

@@ -25,6 +25,7 @@ import numpy as np
 from torchtitan_autoparallel.planner.problem import FlatProblem, InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
 from torchtitan_autoparallel.planner.solvers.collapse import collapse
+from torchtitan_autoparallel.planner.solvers import compiled_graph
 from torchtitan_autoparallel.planner.solvers.compiled_graph import CompiledGraph, reduce_compiled
 from torchtitan_autoparallel.planner.solvers.reduce import Graph
 
@@ -117,7 +118,8 @@ def presolve(
     ``make_graph`` swaps in a ``Graph`` that protects more than the energy
     (``overlap_presolve``)."""
     start = time.perf_counter()
-    collapsed = collapse(problem)
+    # room in the collapsed tables' buffer for the compiled pass to use it as its arena
+    collapsed = collapse(problem, compiled_graph.ROOM if make_graph is None else 0)
     if make_graph is None:  # the same reductions compiled, where the problem's form allows
         compiled = reduce_compiled(collapsed, prune_memory, dominance)
         if compiled is not None:
