@@ -4,7 +4,8 @@ The main table (``run.py``) times whole solves in fresh processes. This
 splits one ``approx`` solve into its stages, each timed alone in one warm
 process (best of ``--repeats``), to show what a faster solve has to shrink:
 
-* ``collapse``: repeated layers to one node each (``collapse.collapse_ties``);
+* ``collapse``: repeated layers to one node each (``collapse.collapse``, as ``presolve``
+  runs it: flat arrays, room left for the compiled pass);
 * ``reduce``: the rest of the exact presolve (``presolve`` minus ``collapse``);
 * ``mrf``: the reduced problem as compact arrays (``mrf.build_mrf``);
 * ``search``: TRW-S, local search and the memory price search (``approx.search``);
@@ -34,7 +35,8 @@ from run import LOOSE, _cases, case_name  # noqa: E402  (this folder's benchmark
 from torchtitan_autoparallel.planner.problem import Problem  # noqa: E402
 from torchtitan_autoparallel.planner.solvers import kernels, presolve  # noqa: E402
 from torchtitan_autoparallel.planner.solvers.approx import search  # noqa: E402
-from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties  # noqa: E402
+from torchtitan_autoparallel.planner.solvers.collapse import collapse  # noqa: E402
+from torchtitan_autoparallel.planner.solvers.compiled_graph import ROOM  # noqa: E402
 from torchtitan_autoparallel.planner.solvers.mrf import build_mrf  # noqa: E402
 from torchtitan_autoparallel.planner.solvers.trws import GAP_RTOL  # noqa: E402
 
@@ -55,7 +57,7 @@ def _best(run, repeats: int) -> tuple[float, object]:
 
 def measure(problem: Problem, repeats: int) -> dict[str, float]:
     t = {}
-    t["collapse"], _ = _best(lambda: collapse_ties(problem), repeats)
+    t["collapse"], _ = _best(lambda: collapse(problem, ROOM), repeats)
     presolve_s, pre = _best(lambda: presolve(problem), repeats)
     t["reduce"] = max(presolve_s - t["collapse"], 0.0)
     t["mrf"], mrf = _best(lambda: build_mrf(pre.reduced), repeats)
