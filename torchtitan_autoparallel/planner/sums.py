@@ -286,10 +286,11 @@ def edge_slots(edges: np.ndarray, group_of: np.ndarray, groups: int, table_of_ed
 def _slots(order: np.ndarray, edges: np.ndarray, group_of: np.ndarray, table_of_edge: np.ndarray):
     """``edge_slots``' pass over the sorted edges: the slots counted first, so that
     each slot's arrays are made to size."""
-    m, slots = order.shape[0], 0
+    m, slots, last = order.shape[0], 0, (-1, -1)
     for i in range(m):
-        if i == 0 or _pair(edges, group_of, order[i]) != _pair(edges, group_of, order[i - 1]):
-            slots += 1
+        pair = _pair(edges, group_of, order[i])
+        if pair != last:
+            slots, last = slots + 1, pair
     ident = np.empty(m, np.int64)
     bounds, pairs, uniform = np.empty(slots + 1, np.int64), np.empty((slots, 2), np.int64), np.ones(slots, np.bool_)
     s = -1

@@ -104,10 +104,8 @@ def _groups(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
     if disjoint:
         return reps, group_of
     comp = group_components(problem.num_nodes, flat.tie_nodes, flat.tie_sizes, problem.ties)
-    # ``np.unique(comp, return_inverse=True)`` without its sort: labels are node indices
-    present = np.zeros(problem.num_nodes, dtype=bool)
-    present[comp] = True
-    return np.flatnonzero(present), (np.cumsum(present) - 1)[comp]
+    reps = _present(comp, problem.num_nodes)
+    return reps, np.searchsorted(reps, comp)
 
 
 def _present(values: np.ndarray, size: int) -> np.ndarray:
@@ -141,7 +139,10 @@ def _group_pins(problem: Problem, group_of: np.ndarray) -> dict[int, int]:
     return pins
 
 
-_NO_EDGES = (np.zeros((0, 2), np.int64), np.zeros(0), np.zeros((0, 2), np.int64), np.zeros(0, np.int64))
+def _no_edges() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``_group_edges``' answer without edges: fresh arrays, as its buffer may be
+    handed on to be written (``Collapsed.take_buffer``)."""
+    return np.zeros((0, 2), np.int64), np.zeros(0), np.zeros((0, 2), np.int64), np.zeros(0, np.int64)
 
 
 def _group_edges(
@@ -152,7 +153,7 @@ def _group_edges(
     ``room`` times every edge's table entries free), those tables' shapes, and which
     one each edge has."""
     if not len(problem.edges):
-        return _NO_EDGES
+        return _no_edges()
     flat = problem.arrays
     inner, ident, bounds, pairs, uniform = sums.edge_slots(
         problem.edges, group_of, len(kg), flat.table_of_edge
@@ -161,7 +162,7 @@ def _group_edges(
         g = int(group_of[problem.edges[e, 0]])
         unary[g, : kg[g]] += np.diag(problem.pairwise[e])
     if not len(ident):
-        return _NO_EDGES
+        return _no_edges()
     spare = room * int((kg[pairs[:, 0]] * kg[pairs[:, 1]]).sum())
     tables, shapes, table_of_edge = _sum_parallel(flat, _Terms(ident), bounds, uniform, spare)
     return pairs, tables, shapes, table_of_edge
@@ -196,9 +197,9 @@ def _sum_parallel(
             which, flip = terms.split(slice(a, b))
             extra.append(sums.mixed_sum(flat.flat_tables, flat.table_at, flat.table_shapes, which, flip))
         mixed_of.append((slot, mixed[key]))
-    room = sum(t.size for t in extra)
-    packed, shapes, of_slot = _uniform_sums(flat, terms, bounds, uniform, room + spare)
-    at = len(packed) - room - spare
+    mixed_entries = sum(t.size for t in extra)
+    packed, shapes, of_slot = _uniform_sums(flat, terms, bounds, uniform, mixed_entries + spare)
+    at = len(packed) - mixed_entries - spare
     for t in extra:
         packed[at : at + t.size] = t.ravel()
         at += t.size
