@@ -312,6 +312,19 @@ def _cases(only: str) -> list[tuple[Model, Mesh, str]]:
     ]
 
 
+def pick(only: str) -> list[tuple[Model, Mesh, str]]:
+    """``_cases(only)``; if none, a one-line error naming the cases and exit status 2."""
+    cases = _cases(only)
+    if not cases:
+        parts = [m.label for m in MODELS], [m.label for m in MESHES], list(BUDGETS)
+        print(
+            f"error: no case matches {only!r}; a case is named '<model> <mesh> <budget>' from "
+            f"models {parts[0]}, meshes {parts[1]} and budgets {parts[2]}", file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return cases
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_case_args(parser)
@@ -326,10 +339,7 @@ def main() -> int:
     out = HERE / "results.json"
     if args.report_only:
         return rewrite_report(HERE, write_markdown)
-    cases = _cases(args.only)
-    if not cases:
-        print(f"error: no case matches {args.only!r}", file=sys.stderr)
-        return 2
+    cases = pick(args.only)
     folder = Path(args.problems)
     folder.mkdir(parents=True, exist_ok=True)
     solvers = tuple(s for s in args.solvers.split(",") if s)

@@ -30,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import LOOSE, _cases, case_name  # noqa: E402  (this folder's benchmark)
+from run import LOOSE, case_name, pick  # noqa: E402  (this folder's benchmark)
 
 from torchtitan_autoparallel.planner.problem import Problem  # noqa: E402
 from torchtitan_autoparallel.planner.solvers import kernels, presolve  # noqa: E402
@@ -117,10 +117,7 @@ def main() -> int:
     if args.repeats < 1:
         print(f"error: --repeats must be at least 1, got {args.repeats}", file=sys.stderr)
         return 2
-    cases = _cases(args.only)
-    if not cases:
-        print(f"error: no case matches {args.only!r}", file=sys.stderr)
-        return 2
+    cases = pick(args.only)
     bench = HERE / "results.json"
     highs = {}
     if bench.exists():
