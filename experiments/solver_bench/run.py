@@ -316,10 +316,10 @@ def pick(only: str) -> list[tuple[Model, Mesh, str]]:
     """``_cases(only)``; if none, a one-line error naming the cases and exit status 2."""
     cases = _cases(only)
     if not cases:
-        parts = [m.label for m in MODELS], [m.label for m in MESHES], list(BUDGETS)
+        models, meshes = [m.label for m in MODELS], [m.label for m in MESHES]
         print(
             f"error: no case matches {only!r}; a case is named '<model> <mesh> <budget>' from "
-            f"models {parts[0]}, meshes {parts[1]} and budgets {parts[2]}", file=sys.stderr,
+            f"models {models}, meshes {meshes} and budgets {list(BUDGETS)}", file=sys.stderr,
         )
         raise SystemExit(2)
     return cases

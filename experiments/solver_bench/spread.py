@@ -27,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import build, case_name, pick, run_case  # noqa: E402  (this folder's benchmark)
+from run import build, case_name, pick, run_case, summarise  # noqa: E402  (this folder's benchmark)
 
 TARGET = 30.0  # issue 6: approx at least this many times faster than HiGHS
 SOLVERS = ("ilp-highs", "approx")
@@ -44,6 +44,10 @@ def _cpu() -> str:
     return platform.processor() or "unknown cores"
 
 
+class SolveFailed(Exception):
+    """A solver gave no plan in a round, so that round has no ratio."""
+
+
 def measure(path: Path, budget: str, rounds: int, time_limit: float) -> dict:
     """``rounds`` of ``run_case``: each round's median times and their ratio."""
     out = []
@@ -51,12 +55,12 @@ def measure(path: Path, budget: str, rounds: int, time_limit: float) -> dict:
         raw = run_case(path, budget, SOLVERS, time_limit)
         failed = [n for n in SOLVERS if "objective" not in raw[n]]
         if failed:
-            raise RuntimeError(f"{failed[0]} failed on {path.name}: {raw[failed[0]].get('error')}")
+            raise SolveFailed(f"{failed[0]} failed on {path.name}: {raw[failed[0]].get('error')}")
         highs, approx = raw["ilp-highs"], raw["approx"]
         out.append({
             "highs_s": highs["seconds"], "highs_runs": highs.get("seconds_runs", [highs["seconds"]]),
             "approx_s": approx["seconds"], "approx_runs": approx.get("seconds_runs", [approx["seconds"]]),
-            "ratio": highs["seconds"] / max(approx["seconds"], 1e-9),
+            "ratio": summarise(raw)["approx_speedup_over_highs"],
             "load_average": os.getloadavg()[0],
         })
     ratios = [r["ratio"] for r in out]
@@ -102,6 +106,12 @@ def main() -> int:
     cases = pick(args.only)
     folder = Path(args.problems)
     folder.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "host": platform.node(), "cpu": _cpu(), "cores": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": ".venv/bin/python experiments/solver_bench/spread.py "
+        + " ".join(f"'{a}'" if " " in a else a for a in sys.argv[1:]),
+    }
     rows = []
     for model, mesh, budget in cases:
         name = case_name(model, mesh, budget)
@@ -110,15 +120,14 @@ def main() -> int:
             print(f"error: building {name} failed: {built['error']}", file=sys.stderr)
             return 1
         print(f"measuring {name} ({args.rounds} rounds) ...", flush=True)
-        rows.append({"case": name, **measure(path, budget, args.rounds, args.time_limit)})
-    meta = {
-        "host": platform.node(), "cpu": _cpu(), "cores": os.cpu_count(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": ".venv/bin/python experiments/solver_bench/spread.py "
-        + " ".join(f"'{a}'" if " " in a else a for a in sys.argv[1:]),
-    }
-    (HERE / "spread.json").write_text(json.dumps({"meta": meta, "cases": rows}, indent=1))
-    write_markdown(rows, meta, HERE / "spread.md")
+        try:
+            rows.append({"case": name, **measure(path, budget, args.rounds, args.time_limit)})
+        except SolveFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        # after every case, so that a failure later keeps the cases measured so far
+        (HERE / "spread.json").write_text(json.dumps({"meta": meta, "cases": rows}, indent=1))
+        write_markdown(rows, meta, HERE / "spread.md")
     return 0
 
 
