@@ -289,30 +289,41 @@ def test_bad_mesh_shape_is_a_one_line_error() -> None:
     )
 
 
-def test_short_calls_are_timed_in_batches_that_span_the_window(gloo_one) -> None:
-    import time
+def test_short_calls_are_timed_in_batches_that_span_the_window(gloo_one, monkeypatch) -> None:
+    from types import SimpleNamespace
 
-    from torchtitan_autoparallel.calibrate.measure import time_us
+    from torchtitan_autoparallel.calibrate import measure
 
+    # A clock that only the call moves (1 ms per call): the batch sizes are then exact
+    # whatever else the machine runs (under CI load a real 1 ms sleep took ~2 ms).
+    now = [0.0]
     calls = []
 
     def one_ms() -> None:
         calls.append(1)
-        time.sleep(0.001)
+        now[0] += 0.001
 
-    us = time_us(one_ms, 3, torch.device("cpu"), window_s=0.02)
-    assert 900.0 < us < 3000.0  # per call, not per batch
-    assert len(calls) >= 3 * 15  # each of the 3 samples spans ~20 calls
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    us = measure.time_us(one_ms, 3, torch.device("cpu"), window_s=0.02)
+    assert abs(us - 1000.0) < 1e-6  # per call, not per batch
+    batch = (len(calls) - 1 - 3) / 3  # one warm-up, three single calls to size the batch, three batches
+    assert batch in (20, 21)  # 20 ms of 1 ms calls (21 where 0.02 / 0.001 rounds up)
     calls.clear()
-    time_us(one_ms, 3, torch.device("cpu"))  # no window: single calls, after one warm-up
+    measure.time_us(one_ms, 3, torch.device("cpu"))  # no window: single calls, after one warm-up
     assert len(calls) == 4
 
 
-def test_a_collective_after_compute_is_charged_without_the_burst(gloo_one) -> None:
-    import time
+def test_a_collective_after_compute_is_charged_without_the_burst(gloo_one, monkeypatch) -> None:
+    from types import SimpleNamespace
 
-    from torchtitan_autoparallel.calibrate.measure import time_after_compute_us
+    from torchtitan_autoparallel.calibrate import measure
 
-    # One rank waits for no one: the sample is the call alone, the 5 ms burst before it untimed.
-    us = time_after_compute_us(lambda: time.sleep(0.002), lambda: time.sleep(0.005), 5, torch.device("cpu"))
-    assert 1800.0 < us < 4500.0
+    now = [0.0]
+
+    def advance(seconds: float):
+        return lambda: now.__setitem__(0, now[0] + seconds)
+
+    # One rank waits for no one: the sample is the 2 ms call alone, the 5 ms burst before it untimed.
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    us = measure.time_after_compute_us(advance(0.002), advance(0.005), 5, torch.device("cpu"))
+    assert abs(us - 2000.0) < 1e-6
