@@ -289,21 +289,40 @@ def test_bad_mesh_shape_is_a_one_line_error() -> None:
     )
 
 
-def test_short_calls_are_timed_in_batches_that_span_the_window(gloo_one, monkeypatch) -> None:
+class _Clock:
+    """``measure``'s clock, moved only by the timed calls: the asserts on it are exact
+    whatever else the machine runs (under CI load a real 1 ms sleep took ~2 ms)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def advance(self, seconds: float):
+        def call() -> None:
+            self.now += seconds
+        return call
+
+
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
     from types import SimpleNamespace
 
     from torchtitan_autoparallel.calibrate import measure
 
-    # A clock that only the call moves (1 ms per call): the batch sizes are then exact
-    # whatever else the machine runs (under CI load a real 1 ms sleep took ~2 ms).
-    now = [0.0]
+    fake = _Clock()
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: fake.now))
+    return fake
+
+
+def test_short_calls_are_timed_in_batches_that_span_the_window(gloo_one, clock) -> None:
+    from torchtitan_autoparallel.calibrate import measure
+
     calls = []
+    step = clock.advance(0.001)
 
     def one_ms() -> None:
         calls.append(1)
-        now[0] += 0.001
+        step()
 
-    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     us = measure.time_us(one_ms, 3, torch.device("cpu"), window_s=0.02)
     assert abs(us - 1000.0) < 1e-6  # per call, not per batch
     batch = (len(calls) - 1 - 3) / 3  # one warm-up, three single calls to size the batch, three batches
@@ -313,17 +332,9 @@ def test_short_calls_are_timed_in_batches_that_span_the_window(gloo_one, monkeyp
     assert len(calls) == 4
 
 
-def test_a_collective_after_compute_is_charged_without_the_burst(gloo_one, monkeypatch) -> None:
-    from types import SimpleNamespace
-
+def test_a_collective_after_compute_is_charged_without_the_burst(gloo_one, clock) -> None:
     from torchtitan_autoparallel.calibrate import measure
 
-    now = [0.0]
-
-    def advance(seconds: float):
-        return lambda: now.__setitem__(0, now[0] + seconds)
-
     # One rank waits for no one: the sample is the 2 ms call alone, the 5 ms burst before it untimed.
-    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: now[0]))
-    us = measure.time_after_compute_us(advance(0.002), advance(0.005), 5, torch.device("cpu"))
+    us = measure.time_after_compute_us(clock.advance(0.002), clock.advance(0.005), 5, torch.device("cpu"))
     assert abs(us - 2000.0) < 1e-6
