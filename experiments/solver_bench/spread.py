@@ -11,6 +11,13 @@ writes each round's ratio, and their spread, to ``spread.json`` and
 
     .venv/bin/python experiments/solver_bench/spread.py                         # the 2-D rows
     .venv/bin/python experiments/solver_bench/spread.py --only "70B 2-D 8x8 tight" --rounds 9
+    .venv/bin/python experiments/solver_bench/spread.py --only "2-D 8x8 tight" --collapsed
+
+``--collapsed`` measures each case's problem with every tie group already one
+node (``collapse_ties``, saved beside the problem) and writes
+``spread_collapsed.json`` and ``.md`` instead: both solvers then skip the
+collapse and score fewer nodes, the most that storing a repeated layer once in
+the problem file could save them.
 """
 
 from __future__ import annotations
@@ -71,9 +78,24 @@ def measure(path: Path, budget: str, rounds: int, time_limit: float) -> dict:
     }
 
 
+def collapsed_copy(path: Path) -> Path:
+    """``path``'s problem with its tie groups collapsed, saved beside it (again
+    whenever the problem is newer than the copy)."""
+    out = path.with_name(path.stem + "-collapsed.npz")
+    if not out.exists() or out.stat().st_mtime < path.stat().st_mtime:
+        from torchtitan_autoparallel.planner.problem import Problem
+        from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
+
+        collapse_ties(Problem.load(path))[0].save(out)
+    return out
+
+
 def write_markdown(rows: list[dict], meta: dict, path: Path) -> None:
+    title = "# approx's speed-up over HiGHS, round after round"
+    if meta.get("collapsed"):
+        title += ", on the tie-collapsed problems"
     lines = [
-        "# approx's speed-up over HiGHS, round after round",
+        title,
         "",
         f"Measured on {meta['host']} ({meta['cpu']}, {meta['cores']} cores), {meta['date']}. "
         f"Each round is one `run.py` measurement of the case (HiGHS, approx, HiGHS, ... in "
@@ -99,6 +121,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="measurements per case")
     parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per solve")
     parser.add_argument("--problems", default="/tmp/solver_bench_problems", help="where built problems are kept")
+    parser.add_argument(
+        "--collapsed", action="store_true",
+        help="measure each problem with its tie groups collapsed; writes spread_collapsed.json/.md",
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         print(f"error: --rounds must be at least 1, got {args.rounds}", file=sys.stderr)
@@ -111,7 +137,9 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": ".venv/bin/python experiments/solver_bench/spread.py "
         + " ".join(f"'{a}'" if " " in a else a for a in sys.argv[1:]),
+        "collapsed": args.collapsed,
     }
+    stem = "spread_collapsed" if args.collapsed else "spread"
     rows = []
     for model, mesh, budget in cases:
         name = case_name(model, mesh, budget)
@@ -119,6 +147,8 @@ def main() -> int:
         if "error" in built:
             print(f"error: building {name} failed: {built['error']}", file=sys.stderr)
             return 1
+        if args.collapsed:
+            path = collapsed_copy(path)
         print(f"measuring {name} ({args.rounds} rounds) ...", flush=True)
         try:
             rows.append({"case": name, **measure(path, budget, args.rounds, args.time_limit)})
@@ -126,8 +156,8 @@ def main() -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         # after every case, so that a failure later keeps the cases measured so far
-        (HERE / "spread.json").write_text(json.dumps({"meta": meta, "cases": rows}, indent=1))
-        write_markdown(rows, meta, HERE / "spread.md")
+        (HERE / f"{stem}.json").write_text(json.dumps({"meta": meta, "cases": rows}, indent=1))
+        write_markdown(rows, meta, HERE / f"{stem}.md")
     return 0
 
 
