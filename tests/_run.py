@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from torchtitan_autoparallel.train.launch import SERVER_NAME
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 LAUNCHER = REPO / "run_train.sh"
-PYTHON = REPO / ".venv" / "bin" / "python"
+PYTHON = Path(sys.executable)  # the launches use the torch the tests run on (``make smoke``: torch 2.11)
 LLAMA3_CONFIG = REPO / "train_configs" / "llama3_debugmodel.toml"
 QWEN3_CONFIG = REPO / "train_configs" / "qwen3_debugmodel.toml"
 CONFIGS = {"llama3": LLAMA3_CONFIG, "qwen3": QWEN3_CONFIG}

@@ -1,67 +1,22 @@
-"""The few places where torchtitan 0.3.0 needs help to run on CPU (and gloo).
+"""The few places where torchtitan needs help to run on CPU (and gloo).
 
 Kept in one module so that each workaround is visible, documented and easy to
 drop when torchtitan fixes it upstream.
 
-1. Attention: torchtitan's language models default to FlexAttention, whose
-   backward has no CPU implementation, and ``get_attention_config("sdpa")`` is
-   refused for language models. We swap each layer's inner attention for
-   torchtitan's own ``ScaledDotProductAttention`` (causal, no document masks),
-   which runs forward and backward on CPU and GPU.
-2. Device: torchtitan resolves its device type at import time
+1. Device: torchtitan resolves its device type at import time
    (``point_torchtitan_at``).
-3. Start-up: torchtitan's attention module compiles FlexAttention when it is
-   imported (a ``torch.compile`` class attribute), which imports inductor,
-   about 0.5 s in every process, for a kernel the SDPA swap above never
-   calls. ``import_model_module`` imports a model package with
-   ``torch.compile`` deferred: the compile happens at the first call, if any.
-4. gloo: a gloo group runs its collectives on two worker threads, and two
+2. gloo: a gloo group runs its collectives on two worker threads, and two
    collectives of one group running at once corrupt the heap now and then
    under torch 2.14.1 (``experiments/gloo_inflight``). ``one_gloo_worker_thread``
    gives each group one thread: its collectives run in issue order, still
    asynchronously to the caller (``AUTOPARALLEL_GLOO_COLLECTIVES=queued``).
+
+Attention needs help too (FlexAttention, torchtitan's default, has no CPU
+backward); ``compat.ModelConfig`` picks torchtitan's causal SDPA, in the form
+each torchtitan release takes it.
 """
 
 from __future__ import annotations
-
-import functools
-import importlib
-from types import ModuleType
-
-
-def import_model_module(name: str) -> ModuleType:
-    """``importlib.import_module(name)`` with import-time ``torch.compile`` calls made lazy."""
-    import torch
-
-    real = torch.compile
-
-    def deferred(model=None, **options):
-        if model is None:  # used as @torch.compile(...)
-            return lambda fn: deferred(fn, **options)
-        compiled = None
-
-        @functools.wraps(model)
-        def call(*args, **kwargs):
-            nonlocal compiled
-            if compiled is None:
-                compiled = real(model, **options)
-            return compiled(*args, **kwargs)
-
-        return call
-
-    torch.compile = deferred
-    try:
-        return importlib.import_module(name)
-    finally:
-        torch.compile = real
-
-
-def use_sdpa_attention(model_config) -> None:
-    """Point every layer of a torchtitan decoder config at causal SDPA."""
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-
-    for layer in model_config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
 
 
 def point_torchtitan_at(device_type: str) -> None:
@@ -98,10 +53,10 @@ def sum_reduce_gradients_on_gloo(model) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def keep_weight_tying_under_tp(model) -> None:
+def keep_weight_tying_under_tp(model, output_name: str) -> None:
     """Re-tie the embedding and output weights after torchtitan's TP step.
 
-    Not CPU-specific, but the same kind of fix: torchtitan 0.3.0's tensor
+    Not CPU-specific, but the same kind of fix: torchtitan 0.3's tensor
     parallelism replaces each module's weight with its own DTensor, so Qwen3's
     tied ``tok_embeddings.weight`` / ``lm_head.weight`` silently become two
     parameters that train apart. Both are ``Shard(0)`` on the TP axis, so the
@@ -109,16 +64,16 @@ def keep_weight_tying_under_tp(model) -> None:
     must happen before FSDP wraps the parameters, hence the hook on
     ``model.parallelize`` (the TP step torchtitan calls first).
     """
-    if not getattr(model, "enable_weight_tying", False):
-        return
+    if not getattr(model, "enable_weight_tying", False) or not hasattr(model, "parallelize"):
+        return  # untied, or torchtitan 0.2, whose TP step is not a model method
     tensor_parallelize = model.parallelize
 
     def parallelize_and_retie(*args, **kwargs):
         result = tensor_parallelize(*args, **kwargs)
-        head, embed = model.lm_head.weight, model.tok_embeddings.weight
+        head, embed = getattr(model, output_name).weight, model.tok_embeddings.weight
         if getattr(head, "placements", None) != getattr(embed, "placements", None):
             raise RuntimeError(
-                f"cannot keep tied weights: lm_head {head.placements} vs tok_embeddings {embed.placements}"
+                f"cannot keep tied weights: {output_name} {head.placements} vs tok_embeddings {embed.placements}"
             )
         model.tok_embeddings.weight = head
         return result

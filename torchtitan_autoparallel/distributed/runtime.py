@@ -17,6 +17,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from torchtitan_autoparallel.compat import set_timeout
 from torchtitan_autoparallel.cpu_compat import one_gloo_worker_thread, point_torchtitan_at
 
 FORKED_RANK_ENV = "TORCHTITAN_AUTOPARALLEL_FORKED_RANK"  # set in a rank forked by the launcher
@@ -83,7 +84,7 @@ def set_collective_timeout(timeout: timedelta) -> None:
     """Every process group's (the world's and the device mesh's), for the collectives to come."""
     for group in dist.distributed_c10d._world.pg_map:
         if dist.get_backend(group) != "fake":
-            dist.set_timeout(timeout, group)
+            set_timeout(timeout, group)
 
 
 def _init_fake(world_size: int) -> Runtime:

@@ -1,19 +1,20 @@
 """Model registry: names users type in ``[model] name`` mapped to torchtitan models.
 
 The models themselves come from the ``torchtitan`` package; this module only
-picks the config for a flavor, swaps in an attention backend that runs on CPU
-(see ``torchtitan_autoparallel.cpu_compat``), and records which names are
-planned automatically.
+picks the config for a flavor (through ``torchtitan_autoparallel.compat``,
+which reads every supported torchtitan alike and swaps in an attention backend
+that runs on CPU), and records which names are planned automatically.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
+from torchtitan_autoparallel import compat
+from torchtitan_autoparallel.compat import ModelConfig
 from torchtitan_autoparallel.errors import ConfigError
 
 
@@ -23,26 +24,6 @@ class ModelEntry:
     family: str  # "llama3" | "qwen3"
     auto_parallel: bool  # True: the planner chooses every placement
 
-
-def _llama3_configs() -> dict[str, Callable]:
-    from torchtitan_autoparallel.cpu_compat import import_model_module
-
-    return import_model_module("torchtitan.models.llama3").llama3_configs
-
-
-def _qwen3_configs() -> dict[str, Callable]:
-    from torchtitan_autoparallel.cpu_compat import import_model_module
-
-    qwen3_configs = import_model_module("torchtitan.models.qwen3").qwen3_configs
-
-    # Mixture-of-experts flavors need expert parallelism, which we do not plan yet.
-    return {k: v for k, v in qwen3_configs.items() if "moe" not in k and "-A" not in k}
-
-
-_FAMILIES: dict[str, Callable[[], dict[str, Callable]]] = {
-    "llama3": _llama3_configs,
-    "qwen3": _qwen3_configs,
-}
 
 MODELS: dict[str, ModelEntry] = {
     "llama3": ModelEntry("llama3", "llama3", auto_parallel=False),
@@ -59,31 +40,28 @@ def get_entry(name: str) -> ModelEntry:
 
 
 def flavors(family: str) -> list[str]:
-    return list(_FAMILIES[family]())
+    return compat.flavors(family)
 
 
-def build_model_config(family: str, flavor: str, n_layers: int | None = None):
+def build_model_config(family: str, flavor: str, n_layers: int | None = None) -> ModelConfig:
     """torchtitan's model config for ``family``/``flavor``, with CPU-capable attention.
 
     ``n_layers`` truncates the stack (planning benchmarks use 2 or 8 layers of
     an 8B model; ``model.n_layers``); None or 0 keeps the flavor's depth.
     """
-    from torchtitan_autoparallel.cpu_compat import use_sdpa_attention
-
-    configs = _FAMILIES[family]()
-    if flavor not in configs:
+    try:
+        config = ModelConfig.of(family, flavor)
+    except KeyError:
         raise ConfigError(
-            f"unknown model.flavor {flavor!r} for {family}; accepted: {', '.join(configs)}"
-        )
-    config = configs[flavor](attn_backend="flex")
+            f"unknown model.flavor {flavor!r} for {family}; accepted: {', '.join(flavors(family))}"
+        ) from None
     if n_layers:
-        if not 1 <= n_layers <= len(config.layers):
+        if not 1 <= n_layers <= config.n_layers:
             raise ConfigError(
                 f"model.n_layers {n_layers} out of range for {family} {flavor}; "
-                f"accepted: 0 (all {len(config.layers)}) or 1..{len(config.layers)}"
+                f"accepted: 0 (all {config.n_layers}) or 1..{config.n_layers}"
             )
-        config.layers = config.layers[:n_layers]
-    use_sdpa_attention(config)
+        config.truncate(n_layers)
     return config
 
 

@@ -20,6 +20,8 @@ import torch
 from torch.distributed.tensor._dtensor_spec import TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from torchtitan_autoparallel.compat import torch_single_dim_rule
+
 aten = torch.ops.aten
 
 Rule = list[Placement | None]
@@ -64,7 +66,20 @@ def cpu_flash_attention_backward_rule(op, args: tuple, kwargs: dict) -> list[Rul
     return _attention_rules(3, list(args[:6]), kwargs.get("attn_mask"))
 
 
-_MEAN = 1  # torch's Reduction.MEAN
+_NONE, _MEAN, _SUM = 0, 1, 2  # torch's Reduction
+
+
+def _nll_loss_forward_base(args: tuple) -> list[Rule]:
+    """A 2-D loss's rules where torch lists none over one mesh dim (torch 2.11): the
+    batch dim sharded for reduction "none" (output sharded alike) and "sum" (partial
+    sums); the class dim must stay whole. All-replicated is added by the expansion."""
+    logits, weight, reduction = args[0], args[2], args[3]
+    keep = [Replicate()] if weight is not None else []
+    if len(logits.shape) != 2 or reduction not in (_NONE, _SUM):
+        return []
+    if reduction == _NONE:
+        return [[Shard(0), Replicate(), Shard(0), Shard(0), *keep]]
+    return [[Partial("sum"), Partial("sum"), Shard(0), Shard(0), *keep]]
 
 
 def nll_loss_forward_rule(op, args: tuple, kwargs: dict) -> list[Rule]:
@@ -77,10 +92,8 @@ def nll_loss_forward_rule(op, args: tuple, kwargs: dict) -> list[Rule]:
     target count Partial(sum) (the backward asks for it replicated, one
     scalar all-reduce).
     """
-    from torch.distributed.tensor import DTensor
-
-    sp = DTensor._op_dispatcher.sharding_propagator
-    rules = list(sp.op_single_dim_strategy_funcs[op].func(op, args, kwargs))
+    torch_rule = torch_single_dim_rule(op)
+    rules = list(torch_rule(op, args, kwargs)) if torch_rule else _nll_loss_forward_base(args)
     logits, weight, reduction = args[0], args[2], args[3]
     if reduction != _MEAN or len(logits.shape) != 2:
         return rules
@@ -90,8 +103,25 @@ def nll_loss_forward_rule(op, args: tuple, kwargs: dict) -> list[Rule]:
     return rules + [rule]
 
 
+def nll_loss_backward_rule(op, args: tuple, kwargs: dict) -> list[Rule]:
+    """torch's rules; where it lists none over one mesh dim (torch 2.11), the batch dim
+    sharded (grad_input <- grad_out, logits, target[, weight], total_weight): grad_out
+    follows the target without reduction and is a whole scalar with one; total_weight
+    stays whole (the mean divides by the global count)."""
+    torch_rule = torch_single_dim_rule(op)
+    if torch_rule is not None:
+        return list(torch_rule(op, args, kwargs))
+    logits, weight, reduction = args[1], args[3], args[4]
+    if len(logits.shape) != 2:
+        return []
+    keep = [Replicate()] if weight is not None else []
+    grad_out = Shard(0) if reduction == _NONE else Replicate()
+    return [[Shard(0), grad_out, Shard(0), Shard(0), *keep, Replicate()]]
+
+
 RULES: dict[torch._ops.OpOverload, RuleFn] = {
     aten.nll_loss_forward.default: nll_loss_forward_rule,
+    aten.nll_loss_backward.default: nll_loss_backward_rule,
     aten._scaled_dot_product_flash_attention_for_cpu.default: cpu_flash_attention_rule,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: cpu_flash_attention_backward_rule,
 }

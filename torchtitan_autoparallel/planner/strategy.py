@@ -30,11 +30,12 @@ from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
+from torchtitan_autoparallel.compat import torch_single_dim_rule
 from torchtitan_autoparallel.planner.placement import (
     MeshSpec,
     Placements,
@@ -179,8 +180,7 @@ class _Enumerator:
         rule_fn = our_rule(op)
         source = "ours"
         if rule_fn is None:
-            info = DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs.get(op)
-            rule_fn = info.func if info is not None else None
+            rule_fn = torch_single_dim_rule(op)
             source = "torch"
         if rule_fn is not None:
             args_meta = tree_map(_to_meta, node.args)
@@ -239,6 +239,8 @@ class _Enumerator:
             return a
 
         args = tree_map(wrap, node.args, is_leaf=lambda a: isinstance(a, fx.Node))
+        # a list of tensors (cat's) is one TupleStrategy argument, as DTensor's dispatch passes it
+        args = [TupleStrategy(list(a)) if _strategy_list(a) else a for a in args]
         kwargs = tree_map(wrap, dict(node.kwargs), is_leaf=lambda a: isinstance(a, fx.Node))
         schema = OpSchema(node.target, tuple(args), kwargs, schema_info=sp.op_to_schema_info.get(node.target))
         try:
@@ -436,6 +438,10 @@ def _propagator_kind(op: object) -> str | None:
     if op in sp.op_strategy_funcs:
         return "torch"
     return None
+
+
+def _strategy_list(arg: object) -> bool:
+    return isinstance(arg, (list, tuple)) and bool(arg) and all(isinstance(a, OpStrategy) for a in arg)
 
 
 def _carries_tensor(node: fx.Node) -> bool:

@@ -285,7 +285,7 @@ def build_auto_training(
     with torch.device("meta"):
         model = model_config.build()
     t = job.training
-    n_params, flops_per_token = model_config.get_nparams_and_flops(model, t.seq_len)
+    n_params, flops_per_token = model_config.nparams_and_flops(model, t.seq_len)
     full_values = planned_full_values(model_config, model, t.seed, runtime, t.full_init_max_gib)
     with _planning_errors(job):
         planned = plan_and_build(

@@ -24,20 +24,18 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from torchtitan_autoparallel import compat
+from torchtitan_autoparallel.compat import ModelConfig
 from torchtitan_autoparallel.errors import ConfigError
 
 logger = logging.getLogger("torchtitan_autoparallel")
 
 
-def adapter(family: str, model_config):
+def adapter(family: str, model_config: ModelConfig):
     """torchtitan's state-dict adapter of ``family`` (no HF assets: one safetensors file)."""
-    if family == "llama3":
-        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter as Adapter
-    elif family == "qwen3":
-        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter as Adapter
-    else:
+    if family not in compat.FAMILIES:
         raise ValueError(f"no Hugging Face layout known for model family {family!r}")
-    return Adapter(model_config, None)
+    return compat.state_dict_adapter(model_config)
 
 
 def save(path: Path, weights: dict, hf_adapter, dtype: torch.dtype) -> None:
@@ -53,7 +51,7 @@ def write_config(folder: Path, hf_adapter, dtype: torch.dtype) -> None:
     """``folder/config.json`` for the model ``hf_adapter`` converts (none for an unknown RoPE)."""
     config = config_json(hf_adapter, dtype)
     if config is None:
-        logger.warning(f"no config.json written to {folder}: its RoPE has no Hugging Face equivalent known here")
+        logger.warning(f"no config.json written to {folder}: no Hugging Face config is known for this RoPE or this torchtitan release (0.3 has one)")
         return
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
@@ -61,6 +59,8 @@ def write_config(folder: Path, hf_adapter, dtype: torch.dtype) -> None:
 def config_json(hf_adapter, dtype: torch.dtype) -> dict | None:
     """transformers' config of the model: LlamaForCausalLM or Qwen3ForCausalLM."""
     c = hf_adapter.model_config
+    if not hasattr(c, "layers"):  # torchtitan 0.2's model args: not mapped to transformers' config
+        return None
     attention = c.layers[0].attention
     rope = attention.rope
     if rope.scaling not in ("none", "llama"):

@@ -34,6 +34,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import NoReturn
 
+from torchtitan_autoparallel.compat import check_versions
 from torchtitan_autoparallel.config import load_config
 from torchtitan_autoparallel.config.help import help_for, wants_help
 from torchtitan_autoparallel.errors import ConfigError, UserError
@@ -61,6 +62,7 @@ USAGE = "usage: launch --ngpu N|auto [torchrun options] -- -m MODULE [ARGS...]"
 
 def main(argv: list[str]) -> int:
     try:
+        check_versions()  # before anything imports torchtitan: an unsupported pair is one line
         ngpu_arg, torchrun_args, module, module_args = _split(argv)
         if module == TRAIN_MODULE and wants_help(module_args):
             print(help_for(module_args))

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 
+from torchtitan_autoparallel.compat import check_versions
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps, load_config, resolve_degrees
 from torchtitan_autoparallel.config.dump import write_resolved
 from torchtitan_autoparallel.config.help import help_for, wants_help
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print(help_for(argv))
         return 0
     try:
+        check_versions()
         job = load_config(argv)
         return run(job)
     except UserError as e:

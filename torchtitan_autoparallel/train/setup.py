@@ -36,9 +36,7 @@ class TrainState:
 
 def check_model_fits_mesh(model_config, degrees: tuple[int, int, int]) -> None:
     tp = degrees[2]
-    attention = model_config.layers[0].attention
-    n_heads = attention.n_heads
-    n_kv = attention.n_kv_heads or n_heads
+    n_heads, n_kv = model_config.heads
     if n_heads % tp or n_kv % tp:
         raise ConfigError(
             f"tensor_parallel_degree {tp} does not divide the model's {n_heads} attention "
@@ -137,8 +135,8 @@ def build_training(
     prepare_model_config(model_config, job, degrees)
     with torch.device("meta"):
         model = model_config.build()
-    n_params, flops_per_token = model_config.get_nparams_and_flops(model, job.training.seq_len)
-    model = apply_manual_parallelism(model, family, job, degrees, dims, runtime)
+    n_params, flops_per_token = model_config.nparams_and_flops(model, job.training.seq_len)
+    model = apply_manual_parallelism(model, model_config, job, degrees, dims, runtime)
     dp_degree, dp_rank, dp_group = _data_parallel_coords(dims)
     t = job.training
     steps = accumulation_steps(job, degrees)
