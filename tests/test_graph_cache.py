@@ -9,6 +9,7 @@ in test_auto_parity.py.
 
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from test_bucketing import _inputs, _trace
 from torchtitan_autoparallel.execute import graph_cache
 from torchtitan_autoparallel.execute.bucketing import bucket_collectives
 from torchtitan_autoparallel.execute.graph_cache import GraphEntryError, load_entry, used_groups
-from torchtitan_autoparallel.execute.graph_io import pack, unpack
+from torchtitan_autoparallel.execute.graph_io import PackedGraph, pack, unpack
 from torchtitan_autoparallel.execute.overlap import schedule_overlap
 
 
@@ -42,9 +43,8 @@ def _signature(gm: fx.GraphModule) -> list[tuple]:
 
 def test_pack_unpack_rebuilds_the_same_graph_and_values(gloo_one, tmp_path):
     gm = _compiled(gloo_one)
-    path = tmp_path / "g.pt"
-    torch.save(pack(gm), path, pickle_protocol=4)
-    again = unpack(torch.load(path, weights_only=False))
+    packed = pack(gm)
+    again = unpack(PackedGraph(json.loads(json.dumps(packed.nodes)), packed.attributes))  # as stored
     assert _signature(again) == _signature(gm)
     assert all(v.device.type == "meta" for n in again.graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor))
     expected, got = gm(*_inputs()), again(*_inputs())
@@ -87,21 +87,60 @@ def test_a_corrupt_entry_is_refused(tmp_path):
         load_entry(path, "k")
 
 
+def _edit_header(path: Path, edit) -> None:
+    raw = torch.load(path, weights_only=True)
+    header = json.loads(raw["header"])
+    edit(header)
+    torch.save({"header": json.dumps(header), "constants": raw["constants"]}, path)
+
+
 def test_a_group_over_other_ranks_is_refused(gloo_one, tmp_path):
     path = _store(tmp_path, _compiled(gloo_one))
-    raw = torch.load(path, weights_only=False)
-    raw["groups"] = {gloo_one: [0, 1]}  # as if compiled on a two-rank group of that name
-    torch.save(raw, path, pickle_protocol=4)
+    # as if compiled on a two-rank group of that name
+    _edit_header(path, lambda header: header.update(groups={gloo_one: [0, 1]}))
     with pytest.raises(GraphEntryError, match=rf"process group '{gloo_one}' was over ranks \[0, 1\], now \[0\]"):
         load_entry(path, "k")
 
 
 def test_a_group_this_run_does_not_have_is_refused(gloo_one, tmp_path):
     path = _store(tmp_path, _compiled(gloo_one))
-    raw = torch.load(path, weights_only=False)
-    for node in raw["graph"].nodes:  # the graph as if compiled where the group had another name
-        node["args"] = tuple("4711" if a == gloo_one else a for a in node["args"])
-    raw["groups"] = {"4711": [0]}
-    torch.save(raw, path, pickle_protocol=4)
+
+    def renamed(header):  # the graph as if compiled where the group had another name
+        for node in header["nodes"]:
+            if isinstance(node["args"], dict):
+                node["args"]["tuple"] = ["4711" if a == gloo_one else a for a in node["args"]["tuple"]]
+        header["groups"] = {"4711": [0]}
+
+    _edit_header(path, renamed)
     with pytest.raises(GraphEntryError, match="'4711'.*no such group"):
+        load_entry(path, "k")
+
+
+class _Planted:
+    def __reduce__(self):
+        return (Path.touch, (_Planted.proof,))
+
+
+def test_a_planted_pickle_is_refused_without_running(tmp_path):
+    """An entry that would run code when unpickled: refused, and the code never ran."""
+    _Planted.proof = tmp_path / "ran"
+    path = tmp_path / "entry.pt"
+    torch.save({"header": "{}", "constants": {}, "payload": _Planted()}, path)
+    with pytest.raises(GraphEntryError, match="unreadable"):
+        load_entry(path, "k")
+    assert not _Planted.proof.exists()
+
+
+@pytest.mark.parametrize("target", [{"callable": "os:system"}, {"op": "aten.__class__.__init__"},
+                                    {"op": "aten.mm"}, {"import": "os"}])
+def test_a_target_outside_the_closed_set_is_refused(gloo_one, tmp_path, target):
+    """A stored graph names its calls; one that names anything but a torch op overload or
+    operator.getitem does not rebuild."""
+    path = _store(tmp_path, _compiled(gloo_one))
+
+    def plant(header):
+        next(n for n in header["nodes"] if n["op"] == "call_function")["target"] = target
+
+    _edit_header(path, plant)
+    with pytest.raises(GraphEntryError, match="does not rebuild"):
         load_entry(path, "k")

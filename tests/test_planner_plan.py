@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from _run import REPO
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.api import plan_stages, plan_training_step
 from torchtitan_autoparallel.planner.plan import Plan
@@ -145,3 +148,20 @@ def test_progress_is_logged(model, mesh_2d, caplog):
     text = caplog.text
     for stage in ("trace", "strategies", "build", "solve", "total"):
         assert stage in text
+
+
+def test_the_documented_reader_rescores_the_plan_without_this_package(plan_2d, tmp_path, monkeypatch):
+    """docs/problem_format.md's numpy reader, run as written on a fresh export and its
+    plan.json: the plan's cost from the tables alone is the plan's objective."""
+    plan, path = plan_2d
+    plan.to_json(tmp_path / "plan.json")
+    (tmp_path / "problem.npz").write_bytes(Path(path).read_bytes())
+    (reader,) = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "problem_format.md").read_text(), flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(reader, "problem_format.md", "exec"), scope)
+    problem = Problem.load(path)
+    assert [len(lab) for lab in scope["labels"]] == [len(u) for u in problem.unary]
+    assert len(scope["pairwise"]) == len(problem.edges)
+    assert all((a == b).all() for a, b in zip(scope["pairwise"], problem.pairwise))
+    assert scope["cost_us"] == pytest.approx(plan.objective, rel=1e-9)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -77,9 +78,9 @@ def test_share_tables_merges_equal_tables_only_and_freezes_them() -> None:
 def test_saved_file_stores_each_distinct_table_once(tmp_path) -> None:
     problem = stacked_layers(10, shared=False)
     problem.save(tmp_path / "p.npz")
-    with np.load(tmp_path / "p.npz", allow_pickle=True) as f:
+    with np.load(tmp_path / "p.npz", allow_pickle=False) as f:
         stored = f["pairwise"].size
-        assert int(f["format_version"]) == 2
+        assert int(f["format_version"]) == 3
     distinct = {t.tobytes(): t.size for t in problem.pairwise}
     assert stored == sum(distinct.values()) < sum(t.size for t in problem.pairwise)
     loaded = Problem.load(tmp_path / "p.npz")
@@ -89,29 +90,35 @@ def test_saved_file_stores_each_distinct_table_once(tmp_path) -> None:
     assert get_solver("ilp").solve(loaded).objective == get_solver("ilp").solve(problem).objective
 
 
-def test_version_1_files_still_load_and_share(tmp_path) -> None:
-    problem = stacked_layers(4, shared=False)
+class _Planted:
+    def __reduce__(self):
+        return (Path.touch, (_Planted.proof,))
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_a_file_with_pickled_objects_is_refused_unread(tmp_path, version) -> None:
+    """Formats 1 and 2 stored names as pickled objects: such a file (here with an object
+    that would run code when unpickled) is refused, and nothing in it runs."""
+    problem = stacked_layers(2, shared=True)
     problem.save(tmp_path / "p.npz")
-    with np.load(tmp_path / "p.npz", allow_pickle=True) as f:
+    with np.load(tmp_path / "p.npz", allow_pickle=False) as f:
         arrays = {name: f[name] for name in f.files}
-    # the old layout: every edge's table in edge order, no index
-    arrays["pairwise"] = np.concatenate([t.ravel() for t in problem.pairwise])
-    del arrays["table_of_edge"]
-    arrays["format_version"] = np.array(1)
-    np.savez_compressed(tmp_path / "v1.npz", **arrays)
-    loaded = Problem.load(tmp_path / "v1.npz")
-    assert all(np.array_equal(a, b) for a, b in zip(loaded.pairwise, problem.pairwise))
-    # the three block tables, their transposes (odd layers) and the head's
-    assert len({id(t) for t in loaded.pairwise}) == 7
+    _Planted.proof = tmp_path / "ran"
+    arrays["node_names"] = np.array([_Planted()] + problem.node_names[1:], dtype=object)
+    arrays["format_version"] = np.array(version)
+    np.savez_compressed(tmp_path / "old.npz", **arrays)
+    with pytest.raises(ValueError, match="export the problem again" if version < 3 else "allow_pickle=False"):
+        Problem.load(tmp_path / "old.npz")
+    assert not _Planted.proof.exists()
 
 
 def test_unknown_format_version_is_refused(tmp_path) -> None:
     stacked_layers(2, shared=True).save(tmp_path / "p.npz")
-    with np.load(tmp_path / "p.npz", allow_pickle=True) as f:
+    with np.load(tmp_path / "p.npz", allow_pickle=False) as f:
         arrays = {name: f[name] for name in f.files}
     arrays["format_version"] = np.array(7)
     np.savez_compressed(tmp_path / "v7.npz", **arrays)
-    with pytest.raises(ValueError, match=r"problem format 7, expected one of \(1, 2\)"):
+    with pytest.raises(ValueError, match=r"problem format 7, expected one of \(3,\)"):
         Problem.load(tmp_path / "v7.npz")
 
 

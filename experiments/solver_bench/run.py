@@ -30,6 +30,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
+from torchtitan_autoparallel.planner.problem import READABLE_VERSIONS
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
@@ -183,11 +187,17 @@ def _child(script: str, spec: dict, timeout: float) -> dict:
 def build(model: Model, mesh: Mesh, folder: Path) -> tuple[Path, dict]:
     """The (model, mesh) problem file, built unless a previous run left it."""
     path = folder / f"{model.label}-{mesh.label.replace(' ', '_')}.npz"
-    if path.exists():
+    if path.exists() and _readable(path):
         return path, {"reused": str(path)}
     spec = {**asdict(model), **asdict(mesh), "world": mesh.world, "dp": mesh.dp, "path": str(path)}
     print(f"building {model.label} on {mesh.label} ...", flush=True)
     return path, _child(_BUILD, spec, 3600)
+
+
+def _readable(path: Path) -> bool:
+    """False for a file of an older format, which Problem.load refuses: it is built again."""
+    with np.load(path, allow_pickle=False) as f:
+        return int(f["format_version"]) in READABLE_VERSIONS
 
 
 def run_case(path: Path, budget: str, solvers: tuple[str, ...], time_limit: float) -> dict:

@@ -13,14 +13,18 @@ every rank (one small all-gather decides). A stored graph also names the
 process groups it calls by their registered names; those must resolve in
 this run to groups over the same global ranks, else it is not used.
 
-Entries are the graph node for node (``graph_io.py``) plus any constants the
-trace recorded, pickled and loaded with ``weights_only=False``: like a
-checkpoint, the cache folder must be one you trust.
+An entry is JSON (the graph node for node, ``graph_io.py``, its process
+groups and the passes' statistics) beside the constants the trace recorded,
+in one ``torch.save`` file read back with ``weights_only=True``: loading an
+entry unpickles no object and names no code to run, so a planted or spoiled
+entry is refused (and the step compiled again), never executed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -32,16 +36,16 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from torchtitan_autoparallel.execute.bucketing import check_same_buckets
+from torchtitan_autoparallel.execute.bucketing import BucketStats, check_same_buckets
 from torchtitan_autoparallel.execute.cache import package_version
 from torchtitan_autoparallel.execute.graph_io import PackedGraph, pack, unpack
-from torchtitan_autoparallel.execute.overlap import group_name, is_collective
+from torchtitan_autoparallel.execute.overlap import OverlapStats, group_name, is_collective
 from torchtitan_autoparallel.execute.step import PlannedStep
 
 log = logging.getLogger("torchtitan_autoparallel.execute")
 
 # Bump when the entry layout or what a stored graph means changes.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 class GraphEntryError(ValueError):
@@ -53,8 +57,8 @@ class GraphEntry:
     key: str
     graph: fx.GraphModule
     groups: dict[str, list[int]]  # process-group name -> its global ranks, when compiled
-    bucket_stats: object
-    overlap_stats: object
+    bucket_stats: BucketStats | None
+    overlap_stats: OverlapStats | None
 
 
 def graph_key(planned: PlannedStep, local_tokens: torch.Tensor, local_labels: torch.Tensor) -> str:
@@ -100,20 +104,28 @@ def compile_cached(
 def load_entry(path: Path, key: str) -> GraphEntry:
     """The stored graph, checked against this run; raises ``GraphEntryError``."""
     try:
-        raw = torch.load(path, weights_only=False)
-    except Exception as e:  # unpickling can fail in many ways; all mean "do not use it"
+        raw = torch.load(path, weights_only=True)  # tensors and strings only: nothing to unpickle
+        header = json.loads(raw["header"])
+    except Exception as e:  # a file that is not an entry can fail in many ways; all mean "do not use it"
         raise GraphEntryError(f"unreadable ({type(e).__name__}: {e})") from None
-    if not isinstance(raw, dict):
+    if not isinstance(header, dict) or not isinstance(raw.get("constants"), dict):
         raise GraphEntryError("not a stored graph entry")
-    if raw.get("format_version") != FORMAT_VERSION:
-        raise GraphEntryError(f"format_version {raw.get('format_version')!r}, expected {FORMAT_VERSION}")
-    if raw.get("key") != key or not isinstance(raw.get("graph"), PackedGraph):
-        raise GraphEntryError("stored key or graph does not match this run")
+    if header.get("format_version") != FORMAT_VERSION:
+        raise GraphEntryError(f"format_version {header.get('format_version')!r}, expected {FORMAT_VERSION}")
+    if header.get("key") != key:
+        raise GraphEntryError("stored key does not match this run")
     try:
-        graph = unpack(raw["graph"])
-    except Exception as e:  # e.g. an op this torch no longer has
+        graph = unpack(PackedGraph(header["nodes"], raw["constants"]))
+        buckets, overlap = header["bucket_stats"], header["overlap_stats"]
+        entry = GraphEntry(
+            key,
+            graph,
+            {str(name): [int(r) for r in ranks] for name, ranks in header["groups"].items() if ranks is not None},
+            None if buckets is None else BucketStats(buckets["before"], buckets["after"], tuple(buckets["buckets"])),
+            None if overlap is None else OverlapStats(**overlap),
+        )
+    except Exception as e:  # e.g. an op this torch no longer has, or a target that is not a torch op
         raise GraphEntryError(f"graph does not rebuild ({type(e).__name__}: {e})") from None
-    entry = GraphEntry(key, graph, dict(raw.get("groups", {})), raw.get("bucket_stats"), raw.get("overlap_stats"))
     _check_groups(entry)
     return entry
 
@@ -153,27 +165,33 @@ def _store(path: Path, key: str, planned: PlannedStep) -> None:
     """Write atomically; failing to write only costs the next start-up a compile."""
     gm = planned.local_graph
     assert gm is not None
-    entry = {
+    packed = pack(gm)
+    header = {
         "format_version": FORMAT_VERSION,
         "key": key,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "graph": pack(gm),
+        "nodes": packed.nodes,
         "groups": used_groups(gm),
-        "bucket_stats": planned.bucket_stats,
-        "overlap_stats": planned.overlap_stats,
+        "bucket_stats": _as_dict(planned.bucket_stats),
+        "overlap_stats": _as_dict(planned.overlap_stats),
     }
+    entry = {"header": json.dumps(header), "constants": packed.attributes}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
-                torch.save(entry, f, pickle_protocol=4)  # 2, the default, fails on torch.memory_format
+                torch.save(entry, f)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
     except Exception as e:
         log.warning("compiled-step cache entry %s not written: %s", path, e)
+
+
+def _as_dict(stats: object) -> dict | None:
+    return None if stats is None else dataclasses.asdict(stats)
 
 
 def _check_groups(entry: GraphEntry) -> None:

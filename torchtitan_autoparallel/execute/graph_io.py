@@ -1,4 +1,4 @@
-"""An ``fx.GraphModule`` as plain picklable data, and back, node for node.
+"""An ``fx.GraphModule`` as plain JSON-able data, and back, node for node.
 
 Pickling a ``GraphModule`` directly keeps only its generated code and
 re-traces that code on load: node names change, ``meta`` is lost, and calls
@@ -7,14 +7,18 @@ into constants. The passes and the cost read-back after ``compile`` need the
 graph as it was, so this writes every node (op, target, arguments, name) and
 the shape of its value, and rebuilds exactly that graph.
 
-Targets are stored by name: ``torch.ops`` overloads as ``ns.op.overload``,
-other callables (``operator.getitem``) by module and qualified name.
-``meta["val"]`` comes back on the meta device: shapes, strides and dtypes only.
+Everything but the recorded constants is JSON (``PackedGraph.nodes``), so a
+stored graph loads without unpickling anything: a cache folder someone else
+can write must not be able to run code. For the same reason targets are
+names from a closed set: ``torch.ops`` overloads (``aten.mm.default``) and
+the few Python callables a traced step calls (``operator.getitem``); a name
+outside it is refused. ``meta["val"]`` comes back on the meta device: shapes,
+strides and dtypes only.
 """
 
 from __future__ import annotations
 
-import importlib
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,25 +26,15 @@ import torch
 from torch import fx, nn
 from torch._ops import OpOverload
 
-_ATOMS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
-
-
-@dataclass(frozen=True)
-class _Ref:
-    """An argument that is the value of the node at this position."""
-
-    index: int
-
-
-@dataclass(frozen=True)
-class _Target:
-    kind: str  # "op" (torch.ops overload), "callable" (module + qualname) or "name" (a string target)
-    path: str
+# Python callables a traced step may call, by the name pack() writes.
+_CALLABLES = {"_operator:getitem": operator.getitem}
+# torch objects stored by name: tag -> their type
+_TORCH_ATOMS = {"dtype": torch.dtype, "memory_format": torch.memory_format, "layout": torch.layout}
 
 
 @dataclass
 class PackedGraph:
-    nodes: list[dict[str, Any]]
+    nodes: list[dict[str, Any]]  # JSON-able: op, name, target, args, kwargs, val
     attributes: dict[str, torch.Tensor]  # get_attr targets: constants the trace recorded
 
 
@@ -64,6 +58,7 @@ def pack(gm: fx.GraphModule) -> PackedGraph:
 
 
 def unpack(packed: PackedGraph) -> fx.GraphModule:
+    """The graph ``pack`` wrote; raises ValueError (or TypeError) for anything it did not write."""
     graph = fx.Graph()
     made: list[fx.Node] = []
     for entry in packed.nodes:
@@ -75,71 +70,115 @@ def unpack(packed: PackedGraph) -> fx.GraphModule:
             name=entry["name"],
         )
         if entry["val"] is not None:
-            node.meta["val"] = entry["val"]
+            node.meta["val"] = _meta_value(entry["val"])
         made.append(node)
     root = nn.Module()
     for name, value in packed.attributes.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"graph constant {name!r} is a {type(value).__name__}, not a tensor")
         setattr(root, name, value)
     return fx.GraphModule(root, graph)
 
 
-def _target_ref(target: Any) -> _Target:
+def _target_ref(target: Any) -> dict[str, str]:
     if isinstance(target, str):
-        return _Target("name", target)
+        return {"name": target}
     if isinstance(target, OpOverload):
-        return _Target("op", str(target))  # "aten.mm.default"
+        return {"op": str(target)}  # "aten.mm.default"
     module, qualname = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
-    if not module or not qualname or "<" in qualname:
+    path = f"{module}:{qualname}"
+    if _CALLABLES.get(path) is not target:
         raise TypeError(f"graph target {target!r} cannot be stored by name")
-    return _Target("callable", f"{module}:{qualname}")
+    return {"callable": path}
 
 
-def _resolve_target(ref: _Target) -> Any:
-    if ref.kind == "name":
-        return ref.path
-    if ref.kind == "op":
-        obj: Any = torch.ops
-        for part in ref.path.split("."):
-            obj = getattr(obj, part)
-        return obj
-    module, qualname = ref.path.split(":")
-    obj = importlib.import_module(module)
-    for part in qualname.split("."):
+def _resolve_target(ref: dict[str, str]) -> Any:
+    (kind, path), = ref.items()
+    if kind == "name":
+        return path
+    if kind == "callable":
+        if path not in _CALLABLES:
+            raise ValueError(f"graph target {path!r} is not one a traced step calls")
+        return _CALLABLES[path]
+    if kind != "op" or any(part.startswith("__") for part in path.split(".")):
+        raise ValueError(f"graph target {kind} {path!r} is not a torch op")
+    obj: Any = torch.ops
+    for part in path.split("."):
         obj = getattr(obj, part)
+    if not isinstance(obj, OpOverload):
+        raise ValueError(f"graph target {path!r} is not a torch op overload")
     return obj
 
 
 def _encode(value: Any, index: dict[fx.Node, int]) -> Any:
-    def leaf(v: Any) -> Any:
-        if isinstance(v, fx.Node):
-            return _Ref(index[v])
-        if isinstance(v, _ATOMS):
-            return v
-        raise TypeError(f"graph argument {v!r} of type {type(v).__name__} cannot be stored")
-
-    return _map(value, leaf)
+    """fx arguments as JSON: containers and torch atoms tagged, nodes by position."""
+    if isinstance(value, fx.Node):
+        return {"ref": index[value]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [_encode(v, index) for v in value]
+    if isinstance(value, tuple):
+        return {"tuple": [_encode(v, index) for v in value]}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"dict": {k: _encode(v, index) for k, v in value.items()}}
+    if isinstance(value, slice):
+        return {"slice": [_encode(v, index) for v in (value.start, value.stop, value.step)]}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    for tag, kind in _TORCH_ATOMS.items():
+        if isinstance(value, kind):
+            return {tag: str(value).removeprefix("torch.")}
+    raise TypeError(f"graph argument {value!r} of type {type(value).__name__} cannot be stored")
 
 
 def _decode(value: Any, made: list[fx.Node]) -> Any:
-    return _map(value, lambda v: made[v.index] if isinstance(v, _Ref) else v)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [_decode(v, made) for v in value]
+    if not isinstance(value, dict) or len(value) != 1:
+        raise ValueError(f"graph argument {value!r} is not one pack() writes")
+    (tag, inner), = value.items()
+    if tag == "ref":
+        return made[inner]
+    if tag == "tuple":
+        return tuple(_decode(v, made) for v in inner)
+    if tag == "dict":
+        return {k: _decode(v, made) for k, v in inner.items()}
+    if tag == "slice":
+        return slice(*(_decode(v, made) for v in inner))
+    if tag == "device":
+        return torch.device(inner)
+    if tag in _TORCH_ATOMS:
+        return _torch_atom(tag, inner)
+    raise ValueError(f"graph argument tag {tag!r} is not one pack() writes")
 
 
-def _map(value: Any, leaf) -> Any:
-    """``leaf`` applied inside the containers an fx argument can be built of."""
-    if isinstance(value, (list, tuple)):
-        items = [_map(v, leaf) for v in value]
-        return items if isinstance(value, list) else tuple(items)
-    if isinstance(value, dict):
-        return {k: _map(v, leaf) for k, v in value.items()}
-    if isinstance(value, slice):
-        return slice(_map(value.start, leaf), _map(value.stop, leaf), _map(value.step, leaf))
-    return leaf(value)
+def _torch_atom(tag: str, name: str) -> Any:
+    atom = getattr(torch, name, None)
+    if not isinstance(atom, _TORCH_ATOMS[tag]):
+        raise ValueError(f"{name!r} is not a torch {tag}")
+    return atom
 
 
 def _shape_only(val: Any) -> Any:
-    """Values as meta tensors (shape, stride, dtype); what is not a tensor is dropped."""
+    """Values as their shape, stride and dtype; what is not a tensor is dropped."""
     if isinstance(val, torch.Tensor):
-        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
-    if isinstance(val, (list, tuple)):
-        return type(val)(_shape_only(v) for v in val) if isinstance(val, tuple) else [_shape_only(v) for v in val]
+        return {"shape": list(val.shape), "stride": list(val.stride()), "dtype": str(val.dtype).removeprefix("torch.")}
+    if isinstance(val, list):
+        return [_shape_only(v) for v in val]
+    if isinstance(val, tuple):
+        return {"tuple": [_shape_only(v) for v in val]}
     return None
+
+
+def _meta_value(val: Any) -> Any:
+    """What ``_shape_only`` wrote, as meta tensors."""
+    if val is None:
+        return None
+    if isinstance(val, list):
+        return [_meta_value(v) for v in val]
+    if "tuple" in val:
+        return tuple(_meta_value(v) for v in val["tuple"])
+    return torch.empty_strided(val["shape"], val["stride"], dtype=_torch_atom("dtype", val["dtype"]), device="meta")

@@ -67,6 +67,10 @@ class Plan:
     # dicts: what, count, bytes; largest first), and the graph node running then.
     peak_contents: list[dict[str, Any]] = field(default_factory=list)
     peak_at: str = ""
+    # Each problem node's chosen strategy, by index, in the order of the problem the
+    # planner solved (``--autoparallel.export_problem`` writes it; docs/problem_format.md):
+    # what re-scores the plan independently of this package.
+    assignment: list[int] = field(default_factory=list)
 
     # ------------------------------------------------------------ accessors
 
@@ -143,6 +147,7 @@ def plan_from_solution(
         memory_budget_bytes=problem.memory_budget,
         peak_contents=[asdict(part) for part in peak.parts],
         peak_at=peak.at,
+        assignment=x.tolist(),
     )
 
 

@@ -43,8 +43,11 @@ import numpy as np
 
 from torchtitan_autoparallel.planner import sums
 
-FORMAT_VERSION = 2  # 2: each distinct pairwise table stored once
-READABLE_VERSIONS = (1, 2)
+# 2: each distinct pairwise table stored once; 3: names and labels as fixed-width
+# unicode arrays, so a file loads with allow_pickle=False (1 and 2 stored them as
+# pickled objects, which a shared file must not be trusted with)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (3,)
 
 
 class InfeasibleProblem(ValueError):
@@ -327,9 +330,9 @@ class Problem:
         flat = self.arrays  # the file's layout; tables equal in content are stored once (below)
         arrays: dict[str, np.ndarray] = {
             "format_version": np.array(FORMAT_VERSION),
-            "node_names": np.array(self.node_names, dtype=object),
+            "node_names": np.array(self.node_names, dtype=np.str_),
             "strategy_labels": np.array(
-                ["\x1f".join(labels) for labels in self.strategy_labels], dtype=object
+                ["\x1f".join(labels) for labels in self.strategy_labels], dtype=np.str_
             ),
             "num_strategies": flat.k,
             "unary": flat.unary,
@@ -348,34 +351,30 @@ class Problem:
 
     @classmethod
     def load(cls, path: str | Path) -> Problem:
-        with np.load(path, allow_pickle=True) as f:
+        """The problem ``save`` wrote; ValueError for another format. Nothing is unpickled."""
+        with np.load(path, allow_pickle=False) as f:
             version = int(f["format_version"])
             if version not in READABLE_VERSIONS:
                 raise ValueError(
                     f"{path}: problem format {version}, expected one of {READABLE_VERSIONS}"
+                    + (" (older files store names as pickled objects; export the problem again)"
+                       if version < FORMAT_VERSION else "")
                 )
             k = f["num_strategies"]
             edges = f["edges"].reshape(-1, 2)
             unary = _split(f["unary"], k)
             shapes = np.stack([k[edges[:, 0]], k[edges[:, 1]]], axis=1)
-            distinct = None
-            if version == 1:  # every edge's table, in edge order
-                flat = _split(f["pairwise"], shapes.prod(axis=1))
-                pairwise = share_tables([t.reshape(s) for t, s in zip(flat, shapes)])
-            else:
-                distinct, pairwise = _shared_tables(f["pairwise"], f["table_of_edge"], shapes)
+            distinct, pairwise = _shared_tables(f["pairwise"], f["table_of_edge"], shapes)
             memory: list[np.ndarray | None] = [None] * len(k)
             mem_nodes = f["memory_nodes"]
             for v, m in zip(mem_nodes, _split(f["memory"], k[mem_nodes])):
                 memory[int(v)] = m
             budget = float(f["memory_budget"])
             ties = [g.tolist() for g in _split(f["tie_nodes"], f["tie_sizes"])]
-            arrays = None
-            if distinct is not None:  # the file's own layout: nothing to gather again
-                arrays = ProblemArrays.build(
-                    k.astype(np.int64), f["unary"], mem_nodes.astype(np.int64), f["memory"],
-                    distinct, f["table_of_edge"].astype(np.int64), ties,
-                )
+            arrays = ProblemArrays.build(  # the file's own layout: nothing to gather again
+                k.astype(np.int64), f["unary"], mem_nodes.astype(np.int64), f["memory"],
+                distinct, f["table_of_edge"].astype(np.int64), ties,
+            )
             return cls(
                 node_names=[str(s) for s in f["node_names"]],
                 strategy_labels=[str(s).split("\x1f") for s in f["strategy_labels"]],
