@@ -43,6 +43,17 @@ BAD_INPUTS = {
         2, None, ["--training.local_batch_size", "2", "--training.global_batch_size", "6"],
         ["training.global_batch_size = 6", "local_batch_size (2) x data-parallel degree (2) = 4", "a multiple of 4"],
     ),
+    "seq_len_above_model_max": (
+        1, None, ["--training.seq_len", "140000"], ["training.seq_len 140000", "llama3 debugmodel, 131072", "2..131072"]
+    ),
+    "validation_seq_len_above_model_max": (
+        1, QWEN3_CONFIG, ["--validation.enable", "true", "--validation.seq_len", "4097"],
+        ["validation.seq_len 4097", "qwen3 debugmodel, 4096", "2..4096"],
+    ),
+    "tensorboard_folder_unwritable": (
+        1, None, ["--metrics.enable_tensorboard", "true", "--metrics.save_tb_folder", "/proc/tb"],
+        ["metrics.save_tb_folder '/proc/tb'", "cannot be written"],
+    ),
     "dump_folder_unwritable": (
         1, None, ["--job.dump_folder", "/proc/no-such-run"], ["job.dump_folder '/proc/no-such-run'", "cannot be written"]
     ),
@@ -94,6 +105,40 @@ def test_bad_config_file(tmp_path: Path, text: str, must_contain: list[str]) -> 
     bad.write_text(LLAMA3_CONFIG.read_text() + "\n" + text if "bogus" in text else text)
     run = run_launcher(["--job.dump_folder", str(tmp_path / "out")], config=bad, timeout=180)
     assert_one_error_line(run, must_contain)
+
+
+def test_config_file_that_is_not_utf8(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff\xfe[job]\n")  # UTF-16's byte-order mark: a file saved as UTF-16
+    run = run_launcher(["--job.dump_folder", str(tmp_path / "out")], config=bad, timeout=180)
+    assert_one_error_line(run, [f"config file {str(bad)!r} is not UTF-8", "byte 0xff at offset 0", "a UTF-8 TOML file"])
+
+
+@pytest.mark.parametrize(
+    "log_rank,must_contain",
+    [("9", ["LOG_RANK='9'", "no rank 9 among the 2 launched", "0..1, comma-separated"]),
+     ("0,2,-1", ["LOG_RANK='0,2,-1'", "no rank -1, 2 among"]),
+     ("first", ["LOG_RANK='first' is not a list of ranks", "0..1"])],
+    ids=["past_ngpu", "two_outside", "not_a_number"],
+)
+def test_log_rank_of_no_launched_rank_is_refused(tmp_path: Path, log_rank: str, must_contain: list[str]) -> None:
+    """torchrun shows nothing for a rank it does not start: the job would run in silence."""
+    run = run_launcher(["--job.dump_folder", str(tmp_path / "out")], ngpu=2, log_rank=log_rank, timeout=180)
+    assert_one_error_line(run, must_contain)
+    assert not (tmp_path / "out").exists()
+
+
+def test_launched_ranks_and_known_comm_modes_are_accepted() -> None:
+    from torchtitan_autoparallel.train.preflight import parse_comm_mode, parse_log_ranks
+
+    assert parse_log_ranks("0", 1) == {0} and parse_log_ranks("0,3", 4) == {0, 3}
+    assert parse_comm_mode("") is False and parse_comm_mode("fake_backend") is True
+
+
+def test_unknown_comm_mode_is_refused(tmp_path: Path) -> None:
+    run = run_launcher(["--job.dump_folder", str(tmp_path / "out")], comm_mode="foo", timeout=180)
+    assert_one_error_line(run, ["COMM_MODE='foo' is not accepted", "unset (real ranks) or fake_backend"])
+    assert not (tmp_path / "out").exists()
 
 
 def test_fake_backend_64_ranks_tensor_parallel(tmp_path: Path) -> None:

@@ -200,6 +200,13 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.native.vocab_size
 
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence the model's rotary embedding is built for (its cache's length)."""
+        if hasattr(self.native, "layers"):  # 0.3: each attention's RoPE config holds it
+            return self.native.layers[0].attention.rope.max_seq_len
+        return self.native.max_seq_len
+
     def build(self) -> nn.Module:
         """The model, on the current default device (build under ``torch.device("meta")``)."""
         if hasattr(self.native, "build"):

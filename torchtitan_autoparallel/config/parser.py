@@ -46,6 +46,11 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             return tomli.load(f)
     except tomli.TOMLDecodeError as e:
         raise ConfigError(f"TOML syntax error in {str(path)!r}: {e}") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8 by its spec; tomli decodes before it parses
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+            "accepted: a UTF-8 TOML file"
+        ) from None
 
 
 def parse_overrides(argv: list[str]) -> dict[str, dict[str, str]]:

@@ -136,8 +136,13 @@ def _callstack(failure: ProcessFailure) -> str:
 
 def shown_ranks(torchrun_args: list[str]) -> set[int] | None:
     """The local ranks ``--local-ranks-filter`` shows (None: every rank's output)."""
+    value = ranks_filter(torchrun_args)
+    return None if value is None else {int(r) for r in value.split(",") if r.strip()}
+
+
+def ranks_filter(torchrun_args: list[str]) -> str | None:
+    """``--local-ranks-filter``'s value as given (``LOG_RANK``); None where it is not."""
     for i, arg in enumerate(torchrun_args):
         if arg.startswith("--local-ranks-filter"):
-            value = arg.partition("=")[2] if "=" in arg else torchrun_args[i + 1]
-            return {int(r) for r in value.split(",") if r.strip()}
+            return arg.partition("=")[2] if "=" in arg else torchrun_args[i + 1]
     return None

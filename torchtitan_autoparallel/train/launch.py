@@ -39,7 +39,7 @@ from torchtitan_autoparallel.config import load_config
 from torchtitan_autoparallel.config.help import help_for, wants_help
 from torchtitan_autoparallel.errors import ConfigError, UserError
 from torchtitan_autoparallel.train import failures
-from torchtitan_autoparallel.train.preflight import check, parse_ngpu
+from torchtitan_autoparallel.train.preflight import check, parse_comm_mode, parse_log_ranks, parse_ngpu
 
 CPU_DEFAULT_RANKS = 4
 TRAIN_MODULE = "torchtitan_autoparallel.train.main"
@@ -69,7 +69,9 @@ def main(argv: list[str]) -> int:
             return 0
         gpus = _gpu_count()
         ngpu = parse_ngpu(ngpu_arg) if ngpu_arg != "auto" else (gpus or CPU_DEFAULT_RANKS)
-        fake = os.environ.get("COMM_MODE") == "fake_backend"
+        fake = parse_comm_mode(os.environ.get("COMM_MODE", ""))
+        if (shown := failures.ranks_filter(torchrun_args)) is not None:
+            parse_log_ranks(shown, ngpu)  # torchrun would show no output for a rank it does not start
         start = rank_start(gpus, torchrun_args, os.environ.get(FORK_ENV, "1"))
         if gpus == 0:
             share_cpu_cores(ngpu, os.environ)

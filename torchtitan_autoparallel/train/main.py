@@ -41,6 +41,7 @@ from torchtitan_autoparallel.train.setup import (
     TrainState,
     build_training,
     check_model_fits_mesh,
+    check_seq_len_fits_model,
 )
 
 logger = logging.getLogger("torchtitan_autoparallel")
@@ -93,6 +94,7 @@ def run(job: JobConfig) -> int:
         check_planned_validation_shape(job)
     model_config = build_model_config(entry.family, job.model.flavor, job.model.n_layers)
     check_model_fits_mesh(model_config, degrees)
+    check_seq_len_fits_model(model_config, job)
     checkpoint.check_resume(job, entry.family)  # before planning: refuse early, write nothing
     if runtime.rank == 0:
         written = write_resolved(job)

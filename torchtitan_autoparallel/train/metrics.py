@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import time
@@ -75,6 +76,14 @@ def memory_gib(device: torch.device) -> tuple[float, float]:
         used = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return used / 2**30, 100.0 * used / total
+
+
+def json_line(record: dict) -> str:
+    """``record`` as one line of strict JSON: json.dumps writes NaN and inf as bare
+    ``NaN``/``Infinity``, which JSON has not (strict readers, jq, JavaScript refuse the
+    line), so a value that is not finite (a diverged loss) is written as null."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(finite, allow_nan=False) + "\n"
 
 
 class MetricsLogger:
@@ -179,7 +188,7 @@ class MetricsLogger:
             f"tflops: {tflops:,.3f}  mfu: {record['mfu']:.2f}%{plan_note}"
         )
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.write(json_line(record))
         scalars = {f"train/{k}": v for k, v in record.items() if k not in ("step", "time")}
         if self.tb is not None:
             for key, value in scalars.items():
@@ -205,7 +214,7 @@ class MetricsLogger:
             "time": time.time(),
         }
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.write(json_line(record))
         if self.tb is not None:
             self.tb.add_scalar("validation/loss", result.loss, result.step)
             self.tb.flush()

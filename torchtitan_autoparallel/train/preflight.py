@@ -23,12 +23,14 @@ def check(job: JobConfig, ngpu: int, fake: bool = False) -> None:
     from torchtitan_autoparallel.execute import inflight
     from torchtitan_autoparallel.models.registry import build_model_config, get_entry
     from torchtitan_autoparallel.train import checkpoint
-    from torchtitan_autoparallel.train.setup import check_model_fits_mesh
+    from torchtitan_autoparallel.train.setup import check_model_fits_mesh, check_seq_len_fits_model, tensorboard_folder
 
     degrees = resolve_degrees(job, ngpu)
     accumulation_steps(job, degrees)
     entry = get_entry(job.model.name)
-    check_model_fits_mesh(build_model_config(entry.family, job.model.flavor, job.model.n_layers), degrees)
+    model_config = build_model_config(entry.family, job.model.flavor, job.model.n_layers)
+    check_model_fits_mesh(model_config, degrees)
+    check_seq_len_fits_model(model_config, job)
     if entry.auto_parallel:
         _check_cost_profile(job.autoparallel.cost_profile)
         inflight.mode_from_env()
@@ -40,6 +42,8 @@ def check(job: JobConfig, ngpu: int, fake: bool = False) -> None:
         _warn_unused_planner_settings(job)
     checkpoint.check_resume(job, entry.family)
     _check_writable_folder("job.dump_folder", job.job.dump_folder, job.job.dump_folder)
+    if job.metrics.enable_tensorboard:  # an absolute folder may lie outside the dump folder
+        _check_writable_folder("metrics.save_tb_folder", job.metrics.save_tb_folder, tensorboard_folder(job))
     if job.autoparallel.export_problem:
         export = job.autoparallel.export_problem
         _check_writable_folder("autoparallel.export_problem", export, str(Path(export).parent))
@@ -173,11 +177,40 @@ def parse_ngpu(text: str) -> int:
     return ngpu
 
 
+# COMM_MODE's values: unset for real ranks, or one process on a fake process group
+# (``distributed/runtime.py``); any other value used to be ignored, silently.
+FAKE_BACKEND = "fake_backend"
+COMM_MODES = ("", FAKE_BACKEND)
+
+
+def parse_comm_mode(text: str) -> bool:
+    """``COMM_MODE`` -> whether the job runs on the fake backend."""
+    if text not in COMM_MODES:
+        raise ConfigError(f"COMM_MODE={text!r} is not accepted; accepted: unset (real ranks) or {FAKE_BACKEND}")
+    return text == FAKE_BACKEND
+
+
+def parse_log_ranks(text: str, ngpu: int) -> set[int]:
+    """``LOG_RANK`` (torchrun's ``--local-ranks-filter``) -> the ranks it shows. torchrun
+    shows nothing for a rank it does not start, silently, and fails on a non-number
+    with a traceback."""
+    accepted = f"accepted: ranks of 0..{ngpu - 1}, comma-separated (e.g. 0 or 0,1)"
+    try:
+        ranks = {int(r) for r in text.split(",")}
+    except ValueError:
+        raise ConfigError(f"LOG_RANK={text!r} is not a list of ranks; {accepted}") from None
+    outside = sorted(r for r in ranks if not 0 <= r < ngpu)
+    if outside:
+        names = ", ".join(map(str, outside))
+        raise ConfigError(f"LOG_RANK={text!r}: no rank {names} among the {ngpu} launched (NGPU={ngpu}); {accepted}")
+    return ranks
+
+
 def main(argv: list[str]) -> int:
     try:
         if len(argv) < 2 or argv[0] != "--ngpu":
             raise ConfigError("usage: preflight --ngpu N [--section.key value ...]")
-        check(load_config(argv[2:]), parse_ngpu(argv[1]), os.environ.get("COMM_MODE") == "fake_backend")
+        check(load_config(argv[2:]), parse_ngpu(argv[1]), parse_comm_mode(os.environ.get("COMM_MODE", "")))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from torch.distributed.tensor import DTensor
 
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps
+from torchtitan_autoparallel.config.validate import validation_shape
 from torchtitan_autoparallel.distributed.runtime import Runtime
 from torchtitan_autoparallel.errors import ConfigError
 from torchtitan_autoparallel.models.parallelize import (
@@ -42,6 +44,21 @@ def check_model_fits_mesh(model_config, degrees: tuple[int, int, int]) -> None:
             f"tensor_parallel_degree {tp} does not divide the model's {n_heads} attention "
             f"heads and {n_kv} key/value heads; accepted: a common divisor of both"
         )
+
+
+def check_seq_len_fits_model(model_config, job: JobConfig) -> None:
+    """The rotary embedding is precomputed for ``max_seq_len`` positions: a longer sequence
+    fails deep inside the first forward, on every rank, so refuse it up front."""
+    longest = model_config.max_seq_len
+    lengths = [("training.seq_len", job.training.seq_len)]
+    if job.validation.enable:
+        lengths.append(("validation.seq_len", validation_shape(job)[1]))
+    for key, value in lengths:
+        if value > longest:
+            raise ConfigError(
+                f"{key} {value} is above the maximum sequence length of {model_config.family} "
+                f"{model_config.flavor}, {longest}; accepted: 2..{longest}"
+            )
 
 
 @dataclass
@@ -260,9 +277,7 @@ def build_data(
 def build_metrics(job: JobConfig, runtime: Runtime, flops_per_token: float) -> MetricsLogger:
     peak = resolve_peak(job.metrics.peak_tflops, runtime.device, job.training.mixed_precision_param)
     logger.info(f"MFU peak: {peak.tflops:.4f} TFLOPs per device ({peak.source})")
-    tb = None
-    if job.metrics.enable_tensorboard:
-        tb = f"{job.job.dump_folder}/{job.metrics.save_tb_folder}"
+    tb = tensorboard_folder(job) if job.metrics.enable_tensorboard else None
     return MetricsLogger(
         job.job.dump_folder,
         flops_per_token=flops_per_token,
@@ -273,6 +288,12 @@ def build_metrics(job: JobConfig, runtime: Runtime, flops_per_token: float) -> M
         tensorboard_folder=tb,
         wandb_run=_wandb_run(job) if job.metrics.enable_wandb and runtime.rank == 0 else None,
     )
+
+
+def tensorboard_folder(job: JobConfig) -> str:
+    """``metrics.save_tb_folder``: under the dump folder, or as given where absolute
+    (torchtitan's ``os.path.join`` reads it so)."""
+    return os.path.join(job.job.dump_folder, job.metrics.save_tb_folder)
 
 
 def _wandb_run(job: JobConfig):
