@@ -126,3 +126,18 @@ def test_launcher_refuses_an_unsupported_torch_before_any_rank() -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: unsupported torch 2.10.0 with torchtitan 0.3.0; supported: {compat.SUPPORTED}"]
     assert "[rank" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_fit_rope_shortens_the_cache_and_keeps_its_rows(family: str) -> None:
+    """The rotary cache sized for the job's sequence holds the same rows as the flavor's full one."""
+    full = build_model_config(family, "debugmodel", n_layers=1)
+    fitted = build_model_config(family, "debugmodel", n_layers=1)
+    fitted.fit_rope(64)
+    assert full.max_seq_len > 64 and fitted.max_seq_len == 64
+    long_buffers = {n: b for n, b in full.build().named_buffers() if b.shape[0] == full.max_seq_len}
+    short = dict(fitted.build().named_buffers())
+    assert long_buffers, "no rotary cache found"
+    for name, cache in long_buffers.items():
+        assert short[name].shape[0] == 64
+        assert torch.equal(short[name], cache[:64])

@@ -24,6 +24,7 @@ any rank starts, instead of an ImportError somewhere inside torchtitan.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
@@ -174,9 +175,7 @@ class ModelConfig:
             for layer in native.layers:
                 layer.attention.inner_attention = ScaledDotProductAttention.Config()
         else:  # 0.2: a shared dataclass instance; copy it before changing it
-            from dataclasses import replace
-
-            native = replace(entry, attn_type="sdpa", attn_mask_type="causal")
+            native = dataclasses.replace(entry, attn_type="sdpa", attn_mask_type="causal")
         return cls(family, flavor, native)
 
     @property
@@ -206,6 +205,21 @@ class ModelConfig:
         if hasattr(self.native, "layers"):  # 0.3: each attention's RoPE config holds it
             return self.native.layers[0].attention.rope.max_seq_len
         return self.native.max_seq_len
+
+    def fit_rope(self, seq_len: int) -> None:
+        """Build the rotary embedding's cache for ``seq_len`` positions, not the flavor's maximum.
+
+        torchtitan's own trainer does this (``update_from_config``); without it torchtitan 0.3
+        keeps a cache of 131072 positions in every layer of a LLaMA3 (64 MiB a layer at 8B,
+        2 GiB a device), which nothing reads past ``seq_len``. The cache is a non-persistent
+        buffer whose first ``seq_len`` rows do not depend on its length: numerics and
+        checkpoints are unchanged.
+        """
+        if hasattr(self.native, "layers"):  # 0.3: a RoPE config per attention
+            for layer in self.native.layers:
+                layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=seq_len)
+        else:
+            self.native.max_seq_len = seq_len
 
     def build(self) -> nn.Module:
         """The model, on the current default device (build under ``torch.device("meta")``)."""

@@ -17,7 +17,7 @@ torchtitan's ``max_active`` (the same peak, as the caching allocator counts it);
 on a CPU rank we have no tensor-memory measurement here (the process's resident
 set is not one), so the field is null. Predicted is the plan's: parameters and
 AdamW state plus the step's peak of activations and gradients
-(``report.common.memory_fit``).
+(``report.common.predicted_peak_bytes``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from torchtitan_autoparallel.planner.plan import Plan
-from torchtitan_autoparallel.report.common import ADAMW_STATE_COPIES, GIB, peak_activation_bytes, predicted_step_us
+from torchtitan_autoparallel.report.common import GIB, predicted_peak_bytes, predicted_step_us
 
 WARMUP = 2
 TORCHTITAN = "torchtitan-0.2.2"
@@ -59,10 +59,8 @@ def _round(x: float | None, digits: int = 3) -> float | None:
 
 def predicted_peak_gib(plan: Plan) -> float | None:
     """Parameters and AdamW state, plus the step's peak (activations, gradients, weight copies)."""
-    activations = peak_activation_bytes(plan)
-    if activations is None:
-        return None
-    return (plan.param_bytes_per_device * (1 + ADAMW_STATE_COPIES) + activations) / GIB
+    peak = predicted_peak_bytes(plan)
+    return None if peak is None else peak / GIB
 
 
 def ours(folder: Path, on_gpu: bool) -> dict | None:

@@ -92,6 +92,9 @@ class Metrics:
     save_tb_folder: str = "tb"
     enable_wandb: bool = False  # rank 0 logs to Weights & Biases ($WANDB_PROJECT, WANDB_MODE=offline)
     peak_tflops: float | None = None  # None: device table on GPU, measured on CPU
+    # CPU ranks: measure this step's peak of tensor memory (0: none), written to
+    # <dump_folder>/tensor_memory_rank<r>.json; the profiler it uses slows that step
+    tensor_memory_step: int = 0
 
 
 @dataclass

@@ -55,6 +55,7 @@ def validate(c: JobConfig) -> None:
     if not 0 <= s.min_lr_factor <= 1:
         raise ConfigError(f"lr_scheduler.min_lr_factor = {s.min_lr_factor}; accepted: 0..1")
     _at_least("metrics.log_freq", c.metrics.log_freq, 1)
+    _at_least("metrics.tensor_memory_step", c.metrics.tensor_memory_step, 0)
     if c.metrics.peak_tflops is not None:
         _at_least("metrics.peak_tflops", c.metrics.peak_tflops, 1e-9)
     _at_least("checkpoint.interval", c.checkpoint.interval, 1)

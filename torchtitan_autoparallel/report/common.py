@@ -195,11 +195,23 @@ def peak_summary(plan: Plan, parts: int = 3) -> str | None:
     return f"at the step's peak ({plan.peak_at}): {shown}"
 
 
+def state_bytes(plan: Plan) -> float:
+    """Parameters and AdamW's state, per device."""
+    return plan.param_bytes_per_device * (1 + ADAMW_STATE_COPIES)
+
+
+def predicted_peak_bytes(plan: Plan) -> float | None:
+    """The plan's whole per-device peak: parameters and AdamW state plus the step's peak of
+    activations and gradients; None for plans written before the activation estimate."""
+    activations = peak_activation_bytes(plan)
+    return None if activations is None else state_bytes(plan) + activations
+
+
 def memory_fit(plan: Plan) -> MemoryFit | None:
     """None when the plan names no device memory (CPU ranks, older plans)."""
     if not plan.device_memory_bytes:
         return None
-    state = plan.param_bytes_per_device * (1 + ADAMW_STATE_COPIES)
+    state = state_bytes(plan)
     sizes = dict(zip(plan.mesh["names"], plan.mesh["sizes"]))
     return MemoryFit(
         state,

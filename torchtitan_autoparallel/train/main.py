@@ -42,7 +42,9 @@ from torchtitan_autoparallel.train.setup import (
     build_training,
     check_model_fits_mesh,
     check_seq_len_fits_model,
+    fit_rope_to_job,
 )
+from torchtitan_autoparallel.train.tensor_memory import TensorMemoryProbe
 
 logger = logging.getLogger("torchtitan_autoparallel")
 
@@ -95,6 +97,7 @@ def run(job: JobConfig) -> int:
     model_config = build_model_config(entry.family, job.model.flavor, job.model.n_layers)
     check_model_fits_mesh(model_config, degrees)
     check_seq_len_fits_model(model_config, job)
+    fit_rope_to_job(model_config, job)
     checkpoint.check_resume(job, entry.family)  # before planning: refuse early, write nothing
     if runtime.rank == 0:
         written = write_resolved(job)
@@ -153,8 +156,11 @@ def train(job: JobConfig, t: Training) -> int:
         with (
             StepProfiler(job, t.runtime.rank, t.runtime.device, first_step=state.step + 1) as profiler,
             ScheduledGC(job.training.gc_freq) as collector,
+            TensorMemoryProbe(
+                job.metrics.tensor_memory_step, state.step + 1, t.runtime.rank, t.runtime.device, job.job.dump_folder
+            ) as tensor_memory,
         ):
-            _loop(job, t, state, _saver(job, ckpt_folder), (profiler, collector))
+            _loop(job, t, state, _saver(job, ckpt_folder), (profiler, collector, tensor_memory))
     except KeyboardInterrupt:
         logger.info(f"interrupted in step {state.step}")
         raise

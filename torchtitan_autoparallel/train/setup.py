@@ -46,19 +46,28 @@ def check_model_fits_mesh(model_config, degrees: tuple[int, int, int]) -> None:
         )
 
 
+def _sequence_lengths(job: JobConfig) -> list[tuple[str, int]]:
+    lengths = [("training.seq_len", job.training.seq_len)]
+    if job.validation.enable:
+        lengths.append(("validation.seq_len", validation_shape(job)[1]))
+    return lengths
+
+
 def check_seq_len_fits_model(model_config, job: JobConfig) -> None:
     """The rotary embedding is precomputed for ``max_seq_len`` positions: a longer sequence
     fails deep inside the first forward, on every rank, so refuse it up front."""
     longest = model_config.max_seq_len
-    lengths = [("training.seq_len", job.training.seq_len)]
-    if job.validation.enable:
-        lengths.append(("validation.seq_len", validation_shape(job)[1]))
-    for key, value in lengths:
+    for key, value in _sequence_lengths(job):
         if value > longest:
             raise ConfigError(
                 f"{key} {value} is above the maximum sequence length of {model_config.family} "
                 f"{model_config.flavor}, {longest}; accepted: 2..{longest}"
             )
+
+
+def fit_rope_to_job(model_config, job: JobConfig) -> None:
+    """Size the rotary cache for the job's longest sequence (``compat.ModelConfig.fit_rope``)."""
+    model_config.fit_rope(max(length for _, length in _sequence_lengths(job)))
 
 
 @dataclass

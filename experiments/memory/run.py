@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""The plan's predicted per-device peak against each CPU rank's measured peak of tensor memory.
+
+Each case launches ``run_train.sh`` as a user would, with
+``--metrics.tensor_memory_step`` measuring one steady step on every rank
+(``train/tensor_memory.py``: the CPU tensor storages live at the step's start
+plus the running maximum of the allocator's traffic during it). Predicted is
+plan.json's whole peak (``report.common.predicted_peak_bytes``: parameters and
+AdamW state plus the step's peak of activations and gradients). Measured is the
+largest rank's peak. ``start`` is the largest rank's tensor memory at the
+step's start (parameters, gradients kept from the step before, optimizer
+state, buffers such as RoPE's table), the part the prediction calls state.
+
+    .venv/bin/python experiments/memory/run.py [--only llama3] [--steps 3]
+
+Writes ``results.json`` (``{"rows": [{"case", "mesh_kind", "ranks", "ac",
+"predicted_peak_bytes", "measured_peak_bytes", ...}]}``) and ``results.md``
+beside this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO))
+
+from torchtitan_autoparallel.planner.plan import Plan  # noqa: E402
+from torchtitan_autoparallel.report.common import predicted_peak_bytes, state_bytes  # noqa: E402
+
+MIB = 2**20
+# mesh kind -> (replicate, shard, tp) for a number of ranks
+MESHES = {
+    "DDP": lambda n: (n, 1, 1),
+    "FSDP": lambda n: (1, n, 1),
+    "TP": lambda n: (1, 1, n),
+    "FSDPxTP": lambda n: (1, n // 2, 2),
+}
+CASES = [  # (model, ranks, mesh kinds)
+    ("llama3", 2, ("DDP", "FSDP", "TP")),
+    ("llama3", 4, ("DDP", "FSDP", "TP", "FSDPxTP")),
+    ("qwen3", 2, ("DDP", "FSDP", "TP")),
+    ("qwen3", 4, ("DDP", "FSDP", "TP", "FSDPxTP")),
+]
+
+
+def run_case(model: str, ranks: int, kind: str, ac: str, steps: int, timeout: float) -> dict:
+    rep, shard, tp = MESHES[kind](ranks)
+    with tempfile.TemporaryDirectory(prefix="memory_") as folder:
+        args = [
+            "--model.name", f"{model}_auto_parallel", "--job.dump_folder", folder,
+            "--training.steps", str(steps), "--metrics.tensor_memory_step", str(steps),
+            "--metrics.enable_tensorboard", "false", "--activation_checkpoint.mode", ac,
+            "--parallelism.data_parallel_replicate_degree", str(rep),
+            "--parallelism.data_parallel_shard_degree", str(shard), "--parallelism.tensor_parallel_degree", str(tp),
+        ]  # fmt: skip
+        env = {"NGPU": str(ranks), "CONFIG_FILE": f"train_configs/{model}_debugmodel.toml", "OMP_NUM_THREADS": "1"}
+        start = time.perf_counter()
+        proc = subprocess.run(["./run_train.sh", *args], cwd=REPO, env={**os.environ, **env},
+                              capture_output=True, text=True, timeout=timeout)
+        row = {"case": f"{model} debugmodel", "mesh_kind": kind, "ranks": ranks, "ac": ac,
+               "wall_s": round(time.perf_counter() - start, 1)}
+        measured = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("tensor_memory_rank*.json"))]
+        if proc.returncode != 0 or len(measured) != ranks:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            return {**row, "error": tail[0][:300]}
+        plan = Plan.from_json(Path(folder) / "plan.json")
+    return {
+        **row,
+        "predicted_peak_bytes": predicted_peak_bytes(plan),
+        "measured_peak_bytes": max(m["peak_bytes"] for m in measured),
+        "predicted_state_bytes": state_bytes(plan),
+        "measured_start_bytes": max(m["start_bytes"] for m in measured),
+        "predicted_activation_bytes": plan.predicted.get("peak_activation_bytes_per_device"),
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    out = ["| case | mesh | ranks | ac | predicted MiB | measured MiB | measured / predicted | "
+           "state predicted MiB | start measured MiB |", "|" + " --- |" * 9]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['case']} | {r['mesh_kind']} | {r['ranks']} | {r['ac']} | error: {r['error']} |||||")
+            continue
+        p, m = r["predicted_peak_bytes"], r["measured_peak_bytes"]
+        out.append(f"| {r['case']} | {r['mesh_kind']} | {r['ranks']} | {r['ac']} | {p / MIB:.1f} | {m / MIB:.1f} | "
+                   f"{m / p:.2f} | {r['predicted_state_bytes'] / MIB:.1f} | {r['measured_start_bytes'] / MIB:.1f} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", help="run the cases whose model is this (llama3 or qwen3)")
+    p.add_argument("--steps", type=int, default=3, help="steps per run; the last one is measured")
+    p.add_argument("--timeout", type=float, default=600)
+    a = p.parse_args()
+    rows = []
+    for model, ranks, kinds in CASES:
+        if a.only and a.only != model:
+            continue
+        for kind in kinds:
+            row = run_case(model, ranks, kind, "none", a.steps, a.timeout)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (HERE / "results.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    (HERE / "results.md").write_text(markdown(rows))
+    print(markdown(rows), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

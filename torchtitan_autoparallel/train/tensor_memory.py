@@ -1,0 +1,137 @@
+"""``metrics.tensor_memory_step``: one step's peak of tensor memory on a CPU rank.
+
+On a GPU ``torch.cuda.max_memory_allocated`` is the measurement the plan's
+memory prediction is checked against. A CPU rank has no such counter, and its
+resident set (what the console's ``memory`` shows there) holds the Python
+interpreter, libraries and allocator slack besides tensors. This probe counts
+tensors only, as the plan predicts them:
+
+* at the step's start, every CPU tensor storage Python can reach (parameters,
+  their DTensor shards, gradients, optimizer state, the batch, graph
+  constants), each storage once;
+* during the step, every allocation and free made through torch's CPU
+  allocator on the training thread, from the profiler's memory events
+  (``profile_memory``): the running total's maximum is the step's peak above
+  that start. Frees of storages made before the step are not reported by the
+  profiler, so the peak counts them as still live: an upper bound by those
+  bytes, which the log line names (a gradient of the previous step still held
+  at the start, for instance).
+
+The profiler slows the measured step, so the probe runs on one step, and the
+plan check's timings of that step are not comparable with the others.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+logger = logging.getLogger("torchtitan_autoparallel")
+GIB = 2**30
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+@dataclass(frozen=True)
+class TensorMemory:
+    step: int
+    rank: int
+    start_bytes: int  # CPU tensor storages live when the step began
+    peak_bytes: int  # start_bytes plus the largest running total of the step's allocations
+    end_bytes: int  # start_bytes plus the step's net allocations
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct CPU storages of the tensors Python can reach now.
+
+    Plain tensors and parameters only: a wrapper subclass (DTensor) holds its data in a
+    plain local tensor, counted on its own, and the planner's fake tensors hold none.
+    """
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if type(obj) not in _PLAIN or obj.device.type != "cpu":
+            continue
+        try:
+            storage = obj.untyped_storage()
+            ptr = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # a storage freed or never allocated
+            continue
+        if ptr:
+            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
+    return sum(seen.values())
+
+
+def _allocation_totals(prof: profile) -> list[int]:
+    """The profiler's running total after each recorded allocation or free, in order."""
+    found = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            found.append((node.start_time_ns, node.extra_fields.total_allocated))
+        stack.extend(node.children)
+    return [total for _, total in sorted(found)]
+
+
+class TensorMemoryProbe:
+    """Call ``step(n)`` after training step ``n``; measures ``measured_step`` on a CPU rank
+    and writes it to ``<dump_folder>/tensor_memory_rank<r>.json``."""
+
+    def __init__(self, measured_step: int, first_step: int, rank: int, device: torch.device, dump_folder: str):
+        self.measured_step = measured_step if device.type == "cpu" else 0
+        if measured_step and device.type != "cpu":
+            logger.warning("metrics.tensor_memory_step measures CPU ranks; a GPU's peak is in the memory column")
+        self.first_step, self.rank = first_step, rank
+        self.out = Path(dump_folder) / f"tensor_memory_rank{rank}.json"
+        self.prof: profile | None = None
+        self.start_bytes = 0
+        self.result: TensorMemory | None = None
+
+    def __enter__(self) -> TensorMemoryProbe:
+        if self.measured_step == self.first_step:
+            self._start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.prof is not None:  # stopped before the measured step finished
+            self.prof.__exit__(None, None, None)
+            self.prof = None
+
+    def step(self, n: int) -> None:
+        if self.measured_step and n == self.measured_step - 1:
+            self._start()
+        elif self.prof is not None and n == self.measured_step:
+            self._finish()
+
+    def _start(self) -> None:
+        gc.collect()  # what the step starts with, not garbage of the step before
+        self.start_bytes = live_tensor_bytes()
+        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.prof.__enter__()
+
+    def _finish(self) -> None:
+        assert self.prof is not None
+        self.prof.__exit__(None, None, None)
+        totals = _allocation_totals(self.prof)
+        self.prof = None
+        self.result = TensorMemory(
+            step=self.measured_step,
+            rank=self.rank,
+            start_bytes=self.start_bytes,
+            peak_bytes=self.start_bytes + max([0, *totals]),
+            end_bytes=self.start_bytes + (totals[-1] if totals else 0),
+        )
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(asdict(self.result)) + "\n")
+        r = self.result
+        logger.info(
+            f"tensor memory of step {r.step}: peak {r.peak_bytes / GIB:.3f} GiB (start {r.start_bytes / GIB:.3f}, "
+            f"end {r.end_bytes / GIB:.3f}; storages freed in the step but made before it count as live), "
+            f"written to {self.out}"
+        )
