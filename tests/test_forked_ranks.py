@@ -138,3 +138,58 @@ def test_a_forked_rank_starts_as_a_new_process_would(tmp_path: Path, fork: str) 
         # runtime.exit_process ends a new process by os._exit, before any exit hook; a forked
         # rank returns to torchrun, and forked_rank.py runs the hooks the rank registered
         assert (tmp_path / f"exit_hook{rank}").exists() == (fork == "1")
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid``, from /proc (children of children included)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended; only its parent's wait is missing
+
+
+@pytest.mark.multirank
+def test_a_killed_launcher_takes_its_fork_server_and_ranks_down(tmp_path: Path) -> None:
+    env = {**os.environ, "NGPU": "2", "PYTHON": str(PYTHON)}
+    proc = subprocess.Popen(
+        [str(LAUNCHER), "--model.name", "llama3_auto_parallel", "--model.n_layers", "2", "--training.steps", "10000",
+         "--training.seq_len", "64", "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    below: set[int] = set()
+    try:
+        for line in proc.stdout:  # training has started on every rank once rank 0 logs a step
+            if "step:  2" in line:
+                break
+        below = _descendants(proc.pid)
+        assert len(below) >= 3, below  # the fork server and two ranks, at least
+        proc.kill()  # SIGKILL: the launcher runs no handler
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in below) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in below if _alive(p)], "processes outlived the killed launcher"
+    finally:  # a failed check leaves nothing running
+        proc.kill()
+        for p in below:
+            try:
+                os.kill(p, 9)
+            except OSError:
+                pass

@@ -34,12 +34,13 @@ import traceback
 from pathlib import Path
 
 from torchtitan_autoparallel.distributed.runtime import FORKED_RANK_ENV
-from torchtitan_autoparallel.train.launch import name_process, run_as_main
+from torchtitan_autoparallel.train.launch import die_with_parent, name_process, run_as_main
 
 
 def _fresh_process_state() -> None:
     os.environ[FORKED_RANK_ENV] = "1"
     name_process(Path(sys.executable).name)  # not the fork server's name
+    die_with_parent()  # the fork server, which itself ends with the launcher
     os.setsid()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)

@@ -26,6 +26,7 @@ import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import runpy
+import signal
 import socket
 import sys
 import threading
@@ -48,6 +49,7 @@ FORKED_RANK = str(Path(__file__).with_name("forked_rank.py"))  # torchrun's --ru
 FORK_SERVER = "forkserver"  # the start method of forked CPU ranks
 SERVER_NAME = "tap-forkserver"  # the fork server's process name (``pgrep -x``)
 PR_SET_NAME = 15  # prctl(2)
+PR_SET_PDEATHSIG = 1
 # What the fork server imports for the ranks: the trainer and what the preflight check
 # imports inside its functions (``preflight.check``). A server forked after the check has
 # most of it already; one that is not (another module's job, or Python's own server)
@@ -154,6 +156,7 @@ def _serve_forks(listener_fd: int, alive_r: int) -> NoReturn:
     code = 0
     try:
         name_process(SERVER_NAME)
+        die_with_parent()
         multiprocessing.forkserver.main(listener_fd, alive_r, RANK_IMPORTS)
     except SystemExit:
         pass
@@ -171,6 +174,23 @@ def run_as_main(module: str) -> None:
     every job's output), so it is dropped first."""
     sys.modules.pop(module, None)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when its parent ends (Linux).
+
+    A launcher killed with SIGKILL runs no handler, so without this its fork server
+    and every rank forked from it would finish their steps and then wait forever on
+    collectives, holding their memory. The signal follows the parent's death, in
+    a chain: launcher, then the fork server, then the ranks it forked.
+    """
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(sig))
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent ended before the request took effect
+        os.kill(os.getpid(), sig)
 
 
 def name_process(name: str) -> None:
