@@ -179,12 +179,17 @@ class ModelConfig:
         return cls(family, flavor, native)
 
     @property
+    def per_layer(self) -> bool:
+        """torchtitan 0.3's form: a config per layer (``native.layers``); 0.2's is one flat set of args."""
+        return hasattr(self.native, "layers")
+
+    @property
     def n_layers(self) -> int:
-        return len(self.native.layers) if hasattr(self.native, "layers") else self.native.n_layers
+        return len(self.native.layers) if self.per_layer else self.native.n_layers
 
     def truncate(self, n_layers: int) -> None:
         """Keep the first ``n_layers`` transformer blocks."""
-        if hasattr(self.native, "layers"):
+        if self.per_layer:
             self.native.layers = self.native.layers[:n_layers]
         else:
             self.native.n_layers = n_layers
@@ -192,7 +197,7 @@ class ModelConfig:
     @property
     def heads(self) -> tuple[int, int]:
         """(attention heads, key/value heads)."""
-        attention = self.native.layers[0].attention if hasattr(self.native, "layers") else self.native
+        attention = self.native.layers[0].attention if self.per_layer else self.native
         return attention.n_heads, attention.n_kv_heads or attention.n_heads
 
     @property
@@ -202,7 +207,7 @@ class ModelConfig:
     @property
     def max_seq_len(self) -> int:
         """The longest sequence the model's rotary embedding is built for (its cache's length)."""
-        if hasattr(self.native, "layers"):  # 0.3: each attention's RoPE config holds it
+        if self.per_layer:  # 0.3: each attention's RoPE config holds it
             return self.native.layers[0].attention.rope.max_seq_len
         return self.native.max_seq_len
 
@@ -215,7 +220,7 @@ class ModelConfig:
         buffer whose first ``seq_len`` rows do not depend on its length: numerics and
         checkpoints are unchanged.
         """
-        if hasattr(self.native, "layers"):  # 0.3: a RoPE config per attention
+        if self.per_layer:  # 0.3: a RoPE config per attention
             for layer in self.native.layers:
                 layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=seq_len)
         else:
@@ -235,7 +240,7 @@ class ModelConfig:
     @property
     def output_name(self) -> str:
         """The output projection's module name (``lm_head`` on 0.3, ``output`` on 0.2)."""
-        return "lm_head" if hasattr(self.native, "layers") else "output"
+        return "lm_head" if self.per_layer else "output"
 
 
 def state_dict_adapter(config: ModelConfig):
@@ -334,7 +339,7 @@ def build_parallel_dims(plan: HandPlan, world_size: int):
 
 def prepare_model_config(config: ModelConfig, plan: HandPlan) -> None:
     """Let torchtitan fill what its TP plan reads from the model config (sequence length ...)."""
-    if hasattr(config.native, "layers"):  # 0.3
+    if config.per_layer:  # 0.3
         from types import SimpleNamespace
 
         parallelism, training, _, _ = _configs_0_3(plan)
@@ -347,7 +352,7 @@ def hand_parallelize(model: nn.Module, config: ModelConfig, plan: HandPlan, para
     """Apply torchtitan's own parallelize function of ``config.family`` to a meta-device model."""
     module = import_model_module(f"torchtitan.models.{config.family}")
     parallelize = module.parallelize_llama if config.family == "llama3" else module.parallelize_qwen3
-    if not hasattr(config.native, "layers"):  # 0.2
+    if not config.per_layer:  # 0.2
         return parallelize(model, parallel_dims, _job_config_0_2(plan))
     parallelism, training, compile_config, ac = _configs_0_3(plan)
     return parallelize(
