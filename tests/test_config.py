@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_autoparallel.config import JobConfig, accumulation_steps, load_config, resolve_degrees
+from torchtitan_autoparallel.config import JobConfig, accumulation_steps, load_config, parser, resolve_degrees
 from torchtitan_autoparallel.config.job_config import SECTIONS
 from torchtitan_autoparallel.errors import ConfigError, UserError
 
@@ -131,8 +131,8 @@ def test_flag_spellings_keep_their_errors() -> None:
         load_config(["--compile.enable", "maybe"])
     with raises_config(r"override '--autoparallel\.mip_gap' has no value"):
         load_config(["--autoparallel.mip_gap", "--training.steps", "3"])
-    with raises_config(r"parallelism\.enable_async_tensor_parallel = 'true' .* not supported"):
-        load_config(["--parallelism.enable_async_tensor_parallel"])
+    with raises_config(r"parallelism\.enable_async_tensor_parallel = 'maybe' in command line is not a valid bool"):
+        load_config(["--parallelism.enable_async_tensor_parallel", "maybe"])
 
 
 def test_last_override_wins() -> None:
@@ -207,11 +207,9 @@ def test_wrong_type_cli(argv: list[str], match: str) -> None:
         ("[optimizer]\nlr = \"1e-3\"\n", r"optimizer\.lr = '1e-3' .* not a valid float"),
         ("[metrics]\nenable_tensorboard = 1\n", r"metrics\.enable_tensorboard = 1 .* not a valid bool"),
         ("[model]\nname = 3\n", r"model\.name = 3 .* not a valid str"),
-        # torchtitan's keys for features this trainer lacks (compat.py)
-        ('[model]\nconverters = ["float8"]\n', r"model\.converters = \['float8'\] in .* is not supported \(float8 and MX training are not supported\); accepted: \[\]"),
-        ("[activation_checkpoint]\nselective_ac_option = '2'\n", r"activation_checkpoint\.selective_ac_option = '2' .* not every N-th layer\); accepted: 'op'"),
-        ("[float8]\nenable_fsdp_float8_all_gather = true\n", r"float8\.enable_fsdp_float8_all_gather = True .*; accepted: False, or leave the key out"),
-        ("[float8]\nrecipe_name = 'rowwise'\n", r"unknown key float8\.recipe_name .* known keys of \[float8\]: enable_fsdp_float8_all_gather"),
+        # keys of neither schema, beside torchtitan's (compat.py)
+        ("[float8]\nrecipe = 'rowwise'\n", r"unknown key float8\.recipe .* known keys of \[float8\]: enable_fsdp_float8_all_gather"),
+        ("[training.dataloader]\nworkers = 2\n", r"unknown key training\.dataloader\.workers .* known keys of \[training\]: .*dataloader\.num_workers"),
     ],
 )
 def test_bad_toml_value(tmp_path: Path, toml: str, match: str) -> None:
@@ -447,10 +445,12 @@ def test_a_torchtitan_job_file_loads(tmp_path: Path) -> None:
     assert c.activation_checkpoint.mode == "selective" and c.job.print_args is False
 
 
-def test_torchtitan_keys_on_the_command_line() -> None:
+def test_torchtitan_keys_on_the_command_line(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(parser, "_SHOWN", set())  # each warning prints once per process
     assert load_config(["--parallelism.enable_async_tensor_parallel", "false"]).parallelism.tensor_parallel_degree == 1
-    with raises_config(r"parallelism\.enable_async_tensor_parallel = 'true' in command line is not supported \(async TP"):
-        load_config(["--parallelism.enable_async_tensor_parallel", "true"])
+    assert capsys.readouterr().err == ""
+    load_config(["--parallelism.enable_async_tensor_parallel", "true"])  # accepted, with a warning
+    assert "parallelism.enable_async_tensor_parallel = True in command line has no effect here" in capsys.readouterr().err
     assert load_config(["--checkpoint.enable_checkpoint", "true"]).checkpoint.enable is True
     with raises_config(r"parallelism\.fsdp_reshard_after_forward = 'sometimes' is not accepted; accepted: default, always, never"):
         load_config(["--parallelism.fsdp_reshard_after_forward", "sometimes"])

@@ -6,16 +6,18 @@ value and what would be accepted; the launcher prints it without a traceback.
 
 from __future__ import annotations
 
+import os
+import sys
 import types
 import typing
-from dataclasses import fields
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import tomli
 
-from torchtitan_autoparallel.config.compat import INERT, INERT_SECTIONS, Inert, translate
+from torchtitan_autoparallel.config.compat import ACCEPTED, ACCEPTED_SECTIONS, MAPPED
 from torchtitan_autoparallel.config.job_config import SECTIONS, JobConfig
 from torchtitan_autoparallel.config.validate import validate
 from torchtitan_autoparallel.errors import ConfigError
@@ -29,11 +31,13 @@ def load_config(argv: list[str] | None = None, config_file: str | None = None) -
     overrides = parse_overrides(argv or [])
     path = config_file or overrides.get("job", {}).get("config_file")
     config = JobConfig()
+    accepted: dict[str, tuple[Any, str]] = {}
     if path:
-        _apply(config, read_toml(path), source=str(path), from_cli=False)
+        _apply(config, read_toml(path), source=str(path), from_cli=False, accepted=accepted)
         config.job.config_file = str(path)
-    _apply(config, overrides, source="command line", from_cli=True)
+    _apply(config, overrides, source="command line", from_cli=True, accepted=accepted)
     validate(config)
+    _show(_warn_accepted(config, accepted))
     return config
 
 
@@ -107,44 +111,105 @@ def _section_hints(section: str) -> dict[str, Any]:
     return typing.get_type_hints(typing.get_type_hints(JobConfig)[section])
 
 
+def _ours(dotted: str) -> str:
+    """The key ``dotted`` (torchtitan's or ours) is read as here."""
+    return MAPPED.get(dotted, dotted)
+
+
+def _hint(dotted: str) -> Any:
+    """The type of a known key, None for an unknown one."""
+    if dotted in ACCEPTED:
+        return ACCEPTED[dotted].hint
+    section, _, name = _ours(dotted).partition(".")
+    return _section_hints(section).get(name)
+
+
 def _is_key(section: str, name: str) -> bool:
-    return name in _section_hints(section) or (section, name) in INERT
+    return _hint(f"{section}.{name}") is not None
 
 
 def _is_bool_key(section: str, name: str) -> bool:
-    key = translate(section, name)
-    hint = key.hint if isinstance(key, Inert) else _section_hints(section).get(key)
+    hint = _hint(f"{section}.{name}")
     return hint is not None and not _is_str_list(hint) and bool in _base_types(hint)
 
 
-def _apply(config: JobConfig, data: dict[str, Any], *, source: str, from_cli: bool) -> None:
+def _flatten(data: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every leaf; torchtitan nests tables (``[quantize.linear.float8]``)."""
+    for key, value in data.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _known_keys(section: str) -> list[str]:
+    ours = [f"{section}.{name}" for name in _section_hints(section)]
+    theirs = [k for k in (*MAPPED, *ACCEPTED) if k.startswith(f"{section}.")]
+    return [k.partition(".")[2] for k in ours + theirs]
+
+
+def _apply(
+    config: JobConfig, data: dict[str, Any], *, source: str, from_cli: bool, accepted: dict[str, tuple[Any, str]]
+) -> None:
+    """Set every key of ``data`` on ``config``; torchtitan's keys without a feature here
+    go to ``accepted`` (key -> (value, source)) for ``_warn_accepted``."""
+    read = _from_text if from_cli else _check_type
     for section, values in data.items():
-        if section not in SECTIONS and section not in INERT_SECTIONS:
+        if section not in SECTIONS and section not in _THEIR_SECTIONS:
             raise ConfigError(
-                f"unknown section [{section}] in {source}; known sections: {', '.join(SECTIONS)}"
+                f"unknown section [{section}] in {source}; known sections: {', '.join(SECTIONS + _THEIR_SECTIONS)}"
             )
         if not isinstance(values, dict):
             raise ConfigError(f"[{section}] in {source} must be a table of keys")
-        target = getattr(config, section, None)
-        known = [f.name for f in fields(target)] if target is not None else INERT_SECTIONS[section]
-        read = _from_text if from_cli else _check_type
-        for old_key, raw in values.items():
-            key = translate(section, old_key)  # torchtitan's older keys (compat.py)
-            if isinstance(key, Inert):
-                key.check(f"{section}.{old_key}", raw, read, source)
-                continue
-            if key not in known:
+        for dotted, raw in _flatten(values, f"{section}."):
+            hint = _hint(dotted)
+            if hint is None:
                 raise ConfigError(
-                    f"unknown key {section}.{key} in {source}; known keys of [{section}]: "
-                    f"{', '.join(known)}"
+                    f"unknown key {dotted} in {source}; known keys of [{section}]: {', '.join(_known_keys(section))}"
                 )
-            hint = typing.get_type_hints(type(target))[key]
-            value = read(raw, hint)
+            value = read(raw, hint) if dotted not in ACCEPTED or from_cli else raw
             if value is _BAD:
-                raise ConfigError(
-                    f"{section}.{key} = {raw!r} in {source} is not a valid {type_name(hint)}"
-                )
-            setattr(target, key, value)
+                raise ConfigError(f"{dotted} = {raw!r} in {source} is not a valid {type_name(hint)}")
+            if dotted in ACCEPTED:
+                accepted[dotted] = (value, source)
+                continue
+            target, _, name = _ours(dotted).partition(".")
+            setattr(getattr(config, target), name, value)
+
+
+def _warn_accepted(config: JobConfig, accepted: dict[str, tuple[Any, str]]) -> list[str]:
+    """One line per accepted torchtitan key whose value would make torchtitan run
+    differently from this job (compat.ACCEPTED)."""
+
+    def get(dotted: str) -> Any:
+        if dotted in accepted:
+            return accepted[dotted][0]
+        if dotted in ACCEPTED:
+            return ACCEPTED[dotted].same
+        section, _, name = dotted.partition(".")
+        return getattr(getattr(config, section), name)
+
+    return [
+        f"{key} = {value!r} in {source} has no effect here; in torchtitan it {ACCEPTED[key].does}"
+        for key, (value, source) in accepted.items()
+        if ACCEPTED[key].warns(value, get)
+    ]
+
+
+_THEIR_SECTIONS = tuple(s for s in ACCEPTED_SECTIONS if s not in SECTIONS)
+_SHOWN: set[str] = set()  # warnings printed by this process: the launcher and a fake-backend run load twice
+# set by the launcher for its ranks (train/failures.py): it printed the warnings already
+_LAUNCHER_ENV = "TORCHTITAN_AUTOPARALLEL_LAUNCHER"
+
+
+def _show(warnings: list[str]) -> None:
+    """Print each warning once per job: by the launcher, or else by rank 0 alone."""
+    if os.environ.get(_LAUNCHER_ENV) or os.environ.get("RANK", "0") != "0":
+        return
+    for line in warnings:
+        if line not in _SHOWN:
+            _SHOWN.add(line)
+            print(f"warning: {line}", file=sys.stderr)
 
 
 _BAD = object()
