@@ -166,8 +166,11 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.multirank
-def test_a_killed_launcher_takes_its_fork_server_and_ranks_down(tmp_path: Path) -> None:
-    env = {**os.environ, "NGPU": "2", "PYTHON": str(PYTHON)}
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_killed_launcher_takes_its_fork_server_and_ranks_down(tmp_path: Path, fork: str) -> None:
+    # fork 0: each rank a new process, as on GPUs; its parent is the launcher itself
+    # (torchrun's agent runs there), which ends each rank by its parent-death signal
+    env = {**os.environ, "NGPU": "2", "PYTHON": str(PYTHON), "AUTOPARALLEL_FORK_RANKS": fork}
     proc = subprocess.Popen(
         [str(LAUNCHER), "--model.name", "llama3_auto_parallel", "--model.n_layers", "2", "--training.steps", "10000",
          "--training.seq_len", "64", "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path)],
@@ -179,7 +182,7 @@ def test_a_killed_launcher_takes_its_fork_server_and_ranks_down(tmp_path: Path) 
             if "step:  2" in line:
                 break
         below = _descendants(proc.pid)
-        assert len(below) >= 3, below  # the fork server and two ranks, at least
+        assert len(below) >= (3 if fork == "1" else 2), below  # two ranks (and the fork server)
         proc.kill()  # SIGKILL: the launcher runs no handler
         proc.wait(timeout=30)
         deadline = time.monotonic() + 20
@@ -193,3 +196,16 @@ def test_a_killed_launcher_takes_its_fork_server_and_ranks_down(tmp_path: Path) 
                 os.kill(p, 9)
             except OSError:
                 pass
+
+
+def test_a_rank_whose_launcher_died_before_it_asked_to_follow_it_ends_at_once() -> None:
+    # a new process learns the launcher's pid from its environment; a parent other than
+    # that pid (the launcher died while the rank imported torch) ends it
+    code = ("import os\nfrom torchtitan_autoparallel.train.failures import LAUNCHER_PID_ENV\n"
+            "from torchtitan_autoparallel.distributed.runtime import end_with_launcher\n"
+            "os.environ[LAUNCHER_PID_ENV] = {pid!r}\nend_with_launcher()\nprint('still running')\n")
+    gone = subprocess.run([str(PYTHON), "-c", code.format(pid="1")], cwd=REPO, capture_output=True, text=True)
+    assert gone.returncode == -9 and "still running" not in gone.stdout, (gone.returncode, gone.stderr[-2000:])
+    kept = subprocess.run([str(PYTHON), "-c", code.format(pid=str(os.getpid()))], cwd=REPO, capture_output=True,
+                          text=True)
+    assert kept.returncode == 0 and "still running" in kept.stdout, kept.stderr[-2000:]

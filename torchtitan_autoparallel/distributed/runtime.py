@@ -51,6 +51,7 @@ def init_runtime(comm_mode: str = "", timeout: timedelta | None = None, one_gloo
     ``one_gloo_thread``: gloo groups (this one and the device mesh's) get one worker
     thread each (``cpu_compat.one_gloo_worker_thread``).
     """
+    end_with_launcher()
     device_type = detect_device_type()
     point_torchtitan_at(device_type)
     if comm_mode == "fake_backend":
@@ -72,6 +73,25 @@ def init_runtime(comm_mode: str = "", timeout: timedelta | None = None, one_gloo
     # crash that peer with "Connection closed by peer" on top of the one-line error.
     dist.barrier()
     return Runtime(device, backend, dist.get_rank(), dist.get_world_size(), local_rank)
+
+
+def end_with_launcher() -> None:
+    """A rank our launcher started as a new process (GPU, multi-node, or
+    ``AUTOPARALLEL_FORK_RANKS=0``) ends when the launcher does, even by SIGKILL.
+
+    torchrun's agent runs inside the launcher and starts each rank as its child; a
+    launcher killed outright runs no handler, so its ranks used to train on, then wait
+    forever in a collective once a peer went. Forked ranks follow their fork server
+    instead (``forked_rank.py``). The variable is removed so that the rank's own
+    children (Inductor's compile workers) do not read it as theirs.
+    """
+    from torchtitan_autoparallel.train.failures import LAUNCHER_PID_ENV
+
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
+    if launcher.isdigit() and not os.environ.get(FORKED_RANK_ENV):
+        from torchtitan_autoparallel.train.launch import die_with_parent
+
+        die_with_parent(parent=int(launcher))
 
 
 def startup_timeout(init_timeout_s: float, solver_time_limit_s: float) -> timedelta:

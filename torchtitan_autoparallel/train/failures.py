@@ -33,6 +33,7 @@ NO_RECORD = "<NONE>"  # torchrun's message where a rank wrote no error file
 USER_ERROR_EXIT = 2  # a rank's status for bad input (``main.py``), as the preflight's
 INTERRUPTED_EXIT = 128 + 2  # the shell's status for a job stopped by Ctrl-C (SIGINT)
 LAUNCHER_ENV = "TORCHTITAN_AUTOPARALLEL_LAUNCHER"  # set by ``launch.py`` for its ranks
+LAUNCHER_PID_ENV = "TORCHTITAN_AUTOPARALLEL_LAUNCHER_PID"  # the launcher's pid, for its ranks
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
 _TIMED_OUT = "timed out"  # gloo's and NCCL's words for a collective past its timeout
 TIMEOUT_HINT = (

@@ -176,20 +176,23 @@ def run_as_main(module: str) -> None:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
     """Have the kernel send ``sig`` to this process when its parent ends (Linux).
 
     A launcher killed with SIGKILL runs no handler, so without this its fork server
     and every rank forked from it would finish their steps and then wait forever on
     collectives, holding their memory. The signal follows the parent's death, in
-    a chain: launcher, then the fork server, then the ranks it forked.
+    a chain: launcher, then the fork server, then the ranks it forked. A rank
+    started as a new process (``runtime.end_with_launcher``) has the launcher as
+    its parent, and calls this once imported: ``parent`` is the launcher's pid,
+    so that a launcher that died before that is noticed too.
     """
-    parent = os.getppid()
+    expected = os.getppid() if parent is None else parent
     try:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(sig))
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent:  # the parent ended before the request took effect
+    if os.getppid() != expected:  # the parent ended before the request took effect
         os.kill(os.getpid(), sig)
 
 
@@ -223,6 +226,8 @@ def _torchrun(args: list[str]) -> int:
     from torch.distributed.run import parse_args, run  # its ``main`` less its ``record``
 
     os.environ[failures.LAUNCHER_ENV] = "1"
+    # a rank started as a new process ends with this one (``runtime.end_with_launcher``)
+    os.environ[failures.LAUNCHER_PID_ENV] = str(os.getpid())
     # its "closing signal SIGTERM" and "failed (exitcode: ...)" lines: the report says it
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.CRITICAL)  # the same, for forked ranks
