@@ -23,6 +23,7 @@ from torchtitan_autoparallel.data.tokenizer import (
     DataError,
     Tokenizer,
     load_tokenizer,
+    resolve_tokenizer_path,
 )
 
 DOCS = [
@@ -254,6 +255,7 @@ def test_unreachable_hf_dataset_gives_a_clear_error(
         raise ConnectionError("Couldn't reach 'org/fake' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    monkeypatch.setattr(dataset_module, "check_hub_reachable", lambda name: None)  # the Hub answers, the dataset fails
     with pytest.raises(DataError) as info:
         build_dataloader(tok, "org/fake", None, 16, 2)
     message = str(info.value)
@@ -280,5 +282,73 @@ def test_torchtitan_dataset_names_stream_their_hub_datasets(
         return [{"text": f"document {i} of the stream"} for i in range(40)]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.setattr(dataset_module, "check_hub_reachable", lambda name: None)
     x, _ = next(iter(build_dataloader(tok, name, path, 16, 2)))
     assert asked[0] == expected and x.shape == (2, 16)
+
+
+# --- torchtitan's dataset names offline ----------------------------------------
+
+
+def no_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    def load_dataset(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the Hub was asked")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+
+
+def json_lines_folder(folder: Path, docs: list[str]) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "c4_sample.json").write_text("".join(json.dumps({"text": d, "timestamp": "2019"}) + "\n" for d in docs))
+    return folder
+
+
+def test_c4_test_reads_torchtitans_folder_of_json_lines(monkeypatch, tmp_path: Path, tok: Tokenizer) -> None:
+    no_hub(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # torchtitan's path is relative to its checkout
+    json_lines_folder(tmp_path / "tests" / "assets" / "c4_test", DOCS * 5)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 5))
+    titan = take(build_dataloader(tok, "c4_test", None, 16, 2), 3)
+    ours = take(build_dataloader(tok, "jsonl", str(tmp_path / "docs.jsonl"), 16, 2), 3)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(titan, ours))
+
+
+@pytest.mark.parametrize("name", ["c4", "c4_validation", "c4_test"])
+def test_a_dataset_path_folder_is_read_locally(monkeypatch, tmp_path: Path, tok: Tokenizer, name: str) -> None:
+    no_hub(monkeypatch)
+    folder = json_lines_folder(tmp_path / "my_c4", DOCS * 5)
+    x, _ = next(iter(build_dataloader(tok, name, str(folder), 16, 2)))
+    assert x.shape == (2, 16) and x[0, 0] == tok.bos_id
+
+
+def test_c4_test_without_its_folder_trains_on_the_shipped_corpus(monkeypatch, tmp_path: Path, tok: Tokenizer, caplog) -> None:
+    no_hub(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RANK", "0")
+    batches = take(build_dataloader(tok, "c4_test", None, 16, 2), 2)
+    shipped = take(build_dataloader(tok, "default", None, 16, 2), 2)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, shipped))
+    assert "torchtitan's test set), which is not here; training on the shipped corpus" in caplog.text
+    with pytest.raises(DataError, match=r"dataset_path '.*nowhere' of dataset 'c4_test' is not a folder"):
+        build_dataloader(tok, "c4_test", str(tmp_path / "nowhere"), 16, 2)
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1"}])
+def test_a_hub_dataset_without_network_is_one_line_at_once(monkeypatch, tok: Tokenizer, env: dict) -> None:
+    import time
+
+    no_hub(monkeypatch)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    start = time.perf_counter()
+    with pytest.raises(DataError, match=r"Hugging Face dataset 'allenai/c4' is on the Hub, .*; accepted: .*dataset = 'default'") as info:
+        build_dataloader(tok, "c4", None, 16, 2)
+    assert time.perf_counter() - start < 5 and "\n" not in str(info.value)
+
+
+def test_torchtitans_test_tokenizer_path_falls_back_to_the_shipped_one(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert resolve_tokenizer_path("./tests/assets/tokenizer") == DEFAULT_TOKENIZER_PATH
+    (tmp_path / "tests" / "assets" / "tokenizer").mkdir(parents=True)
+    shutil.copy(DEFAULT_TOKENIZER_PATH, tmp_path / "tests" / "assets" / "tokenizer" / "tokenizer.json")
+    assert resolve_tokenizer_path("./tests/assets/tokenizer") == Path("tests/assets/tokenizer/tokenizer.json")

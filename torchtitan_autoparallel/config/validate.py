@@ -18,7 +18,8 @@ COMPILE_COMPONENTS = ("model", "loss")
 # torch.compile backends that run on any device with nothing more installed
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 RESHARD_AFTER_FORWARD = ("default", "always", "never")
-LOCAL_DATASETS = ("default", "text", "jsonl")  # read whole into memory; any other name is streamed
+# read whole into memory (c4_test: torchtitan's local test set); any other name is streamed
+LOCAL_DATASETS = ("default", "text", "jsonl", "c4_test")
 
 
 def _choice(name: str, value: str, accepted: tuple[str, ...]) -> None:

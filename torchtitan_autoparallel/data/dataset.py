@@ -10,7 +10,8 @@ the global batch of a step never depends on how it is split across ranks; with
 gradient accumulation a step takes that many consecutive batches, so nor does
 it depend on how it is split into micro-batches.
 
-Epochs. Local corpora ("default", "text", "jsonl") are tokenized once per
+Epochs. Local corpora ("default", "text", "jsonl", torchtitan's "c4_test" and a
+torchtitan name whose dataset_path is a local folder) are tokenized once per
 process and kept in memory; each epoch visits every document once, in an
 order shuffled by ``(seed, epoch)``, and a sample may straddle two epochs.
 Hugging Face datasets are streamed and simply start again from the first
@@ -26,25 +27,35 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 import re
+import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
 
-from torchtitan_autoparallel.data.tokenizer import ASSETS_DIR, DataError, Tokenizer
+from torchtitan_autoparallel.data.tokenizer import ASSETS_DIR, DataError, Tokenizer, warn_rank0
 
 DEFAULT_CORPUS_PATH = ASSETS_DIR / "corpus.txt"
 LOCAL_SUFFIXES = {"text": ".txt", "jsonl": ".jsonl"}
 # torchtitan's names for its streamed datasets -> (Hugging Face name, config, split);
-# dataset_path, if set, replaces the name (a local copy), as in torchtitan
+# dataset_path, if set, replaces the name (a local copy, read as a folder of JSON
+# lines), as in torchtitan
 TORCHTITAN_STREAMS = {
     "c4": ("allenai/c4", "en", "train"),
     "c4_validation": ("allenai/c4", "en", "validation"),
 }
+# torchtitan's local test set: a folder of JSON lines, relative to its repository
+# (the working directory); dataset_path replaces it
+C4_TEST_FOLDER = Path("tests/assets/c4_test")
+JSON_LINES_SUFFIXES = (".json", ".jsonl")
+HUB_PROBE_S = 3.0  # how long to wait for the Hub before saying it cannot be reached
 # Bounds memory held by tokenizer Encoding objects while tokenizing.
 _ENCODE_CHUNK = 1024
 
@@ -121,6 +132,37 @@ def local_source_files(dataset: str, dataset_path: str | None) -> tuple[str, lis
     if not files:
         raise DataError(f"dataset_path {dataset_path!r} holds no {suffix} files")
     return dataset, files
+
+
+def json_lines_files(folder: Path) -> list[Path]:
+    """The JSON-lines files (``.json``, ``.jsonl``) of a local dataset folder, as torchtitan
+    reads c4_test (``datasets.load_dataset`` on the folder), or ``DataError``."""
+    files = sorted(p for p in folder.rglob("*") if p.suffix in JSON_LINES_SUFFIXES and p.is_file())
+    if not files:
+        raise DataError(f"dataset folder {str(folder)!r} holds no .json or .jsonl files (JSON lines with a 'text' field)")
+    return files
+
+
+def torchtitan_local_folder(dataset: str, dataset_path: str | None) -> Path | None:
+    """The local folder a torchtitan dataset name reads, or None where it does not:
+    c4_test's folder (None: not here), or a c4 / c4_validation dataset_path that is a
+    folder here (None: streamed from the Hub)."""
+    if dataset == "c4_test":
+        folder = Path(dataset_path).expanduser() if dataset_path else C4_TEST_FOLDER
+        if not folder.is_dir():
+            if dataset_path:
+                raise DataError(f"dataset_path {dataset_path!r} of dataset 'c4_test' is not a folder; accepted: a folder of JSON lines")
+            # torchtitan's debug files name its repository's test set; outside a
+            # torchtitan checkout the shipped corpus stands in, as the tokenizer does
+            warn_rank0(
+                f"dataset 'c4_test' reads {str(folder)!r} (torchtitan's test set), which is not here; "
+                "training on the shipped corpus instead (run from a torchtitan checkout, or set dataset_path)"
+            )
+            return None
+        return folder
+    if dataset in TORCHTITAN_STREAMS and dataset_path and Path(dataset_path).expanduser().is_dir():
+        return Path(dataset_path).expanduser()
+    return None
 
 
 def files_fingerprint(files: list[Path]) -> str:
@@ -326,8 +368,39 @@ class TokenDataLoader:
         self._sampler.load_state_dict(state)
 
 
+def check_hub_reachable(name: str) -> None:
+    """One line at once where the Hub cannot be reached, instead of ``datasets``' retries
+    (tens of seconds of them, each logged): offline by the environment, or no connection
+    to the Hub within ``HUB_PROBE_S``."""
+    accepted = (
+        "accepted: network access to the Hub, dataset = 'default' (the shipped corpus), 'c4_test' "
+        "with its folder, 'text' or 'jsonl' with dataset_path, or dataset_path naming a local folder"
+    )
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").lower() in ("1", "true", "yes", "on"):
+            raise DataError(f"Hugging Face dataset {name!r} is on the Hub, and {var} is set; {accepted}")
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    outcome: list[BaseException | None] = []
+
+    def probe() -> None:  # in a thread: name resolution takes no timeout
+        try:
+            socket.create_connection((host, 443), timeout=HUB_PROBE_S).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(HUB_PROBE_S + 0.5)
+    if not outcome or outcome[0] is not None:
+        reason = f"{type(outcome[0]).__name__}: {outcome[0]}" if outcome else f"no answer in {HUB_PROBE_S:g} s"
+        raise DataError(f"Hugging Face dataset {name!r} is on the Hub, which cannot be reached from here ({reason}); {accepted}")
+
+
 def open_hf_documents(name: str, config: str | None, split: str = "train") -> DocumentOpener:
     """Stream the ``"text"`` field of a Hugging Face dataset's ``split``."""
+    if not Path(name).expanduser().exists():  # a local copy needs no network
+        check_hub_reachable(name)
     try:
         import datasets  # slow to import; only this source needs it
 
@@ -366,6 +439,10 @@ def build_sampler(
     if dataset in ("default", *LOCAL_SUFFIXES):
         kind, files = local_source_files(dataset, dataset_path)
         return CorpusSampler(load_corpus(tokenizer, kind, files), sample_len, seed)
+    if (folder := torchtitan_local_folder(dataset, dataset_path)) is not None:
+        return CorpusSampler(load_corpus(tokenizer, "jsonl", json_lines_files(folder)), sample_len, seed)
+    if dataset == "c4_test":  # its folder is not here (a warning said so)
+        return CorpusSampler(load_corpus(tokenizer, "text", [DEFAULT_CORPUS_PATH]), sample_len, seed)
     if dataset in TORCHTITAN_STREAMS:
         name, config, split = TORCHTITAN_STREAMS[dataset]
         opener = open_hf_documents(dataset_path or name, config, split)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,6 +15,8 @@ from torchtitan_autoparallel.errors import UserError
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 DEFAULT_TOKENIZER_PATH = ASSETS_DIR / "tokenizer.json"
+# model.hf_assets_path of torchtitan's debug job files, relative to its repository
+TORCHTITAN_TEST_TOKENIZER = Path("tests/assets/tokenizer")
 
 # Ours first; the others let common Hugging Face tokenizer.json files work
 # without a rename (LLaMA 3, GPT-2 style, SentencePiece exports).
@@ -21,6 +26,13 @@ _EOS_CANDIDATES = ("<|eos|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
 
 class DataError(UserError, ValueError):
     """A tokenizer or dataset setting that cannot be honoured, said in one line."""
+
+
+@functools.cache  # once per process, however many loaders are built
+def warn_rank0(message: str) -> None:
+    """Log a data warning in rank 0's log (the launcher's own checks stay quiet: the rank says it)."""
+    if os.environ.get("RANK") == "0":
+        logging.getLogger("torchtitan_autoparallel").warning(f"warning: {message}")
 
 
 class Tokenizer:
@@ -60,6 +72,14 @@ def resolve_tokenizer_path(path: str | Path | None) -> Path:
     if path is None or str(path) in ("", "default"):
         return DEFAULT_TOKENIZER_PATH
     candidate = Path(path).expanduser()
+    if Path(path) == TORCHTITAN_TEST_TOKENIZER and not candidate.exists():
+        # torchtitan's debug files name its repository's test tokenizer; outside a
+        # torchtitan checkout the shipped one (a small BPE like it) stands in
+        warn_rank0(
+            f"tokenizer {str(path)!r} (torchtitan's test tokenizer) is not here; "
+            f"using the shipped tokenizer {str(DEFAULT_TOKENIZER_PATH)!r} instead"
+        )
+        return DEFAULT_TOKENIZER_PATH
     if candidate.is_dir():
         candidate = candidate / "tokenizer.json"
     if not candidate.is_file():
