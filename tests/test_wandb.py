@@ -31,7 +31,7 @@ def test_an_offline_run_gets_the_logged_values(tmp_path: Path) -> None:
     assert f"Run data is saved locally in {dump / 'wandb'}/offline-run-" in out, run.tail()
     summary = re.search(r"Run summary:(.*?)wandb: \n", out, re.S)
     assert summary, run.tail()
-    logged = float(re.search(r"train/loss ([0-9.]+)", summary.group(1)).group(1))
+    logged = float(re.search(r"loss_metrics/global_avg_loss ([0-9.]+)", summary.group(1)).group(1))
     assert logged == pytest.approx(read_metrics(dump)[-1]["loss"], abs=1e-5)  # wandb prints 6 digits
 
 
@@ -60,9 +60,12 @@ def test_steps_and_validations_are_logged_at_their_step(tmp_path: Path) -> None:
     metrics.close()
     (train, step), (validation, vstep) = run.logged
     assert step == vstep == 1 and run.finished
-    assert train["train/loss"] == 7.5 and train["train/grad_norm"] == 0.5 and train["train/lr"] == 1e-3
-    assert train["train/tps"] == record["tps"] and "train/step" not in train and "train/time" not in train
-    assert validation == {"validation/loss": 7.25}
+    # torchtitan's names for what torchtitan logs, so its users' W&B panels fill
+    assert train["loss_metrics/global_avg_loss"] == 7.5 and train["grad_norm"] == 0.5 and train["lr"] == 1e-3
+    assert train["throughput(tps)"] == record["tps"] and train["mfu(%)"] == record["mfu"] and train["n_tokens_seen"] == 100
+    assert train["train/memory_gib"] == record["memory_gib"] and "train/loss" not in train
+    assert "train/step" not in train and "train/time" not in train
+    assert validation == {"validation_metrics/loss": 7.25}
 
 
 def test_a_run_that_cannot_start_is_one_line(monkeypatch, tmp_path: Path) -> None:

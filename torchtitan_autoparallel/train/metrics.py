@@ -1,7 +1,9 @@
 """Per-step metrics: the console line, ``metrics.jsonl``, TensorBoard and Weights & Biases.
 
 tps is tokens per second per device; tflops and mfu use the model's FLOPs per
-token (6N plus attention, from torchtitan) against the device's peak.
+token (6N plus attention, from torchtitan) against a fixed peak (``resolve_peak``).
+TensorBoard and W&B get torchtitan's tags for what torchtitan logs
+(``TORCHTITAN_TAGS``) and ours, under ``train/``, for the rest.
 """
 
 from __future__ import annotations
@@ -37,34 +39,37 @@ class Peak:
     source: str  # how it was obtained, for the log
 
 
-def measure_cpu_peak_tflops(windows: int = 5, n: int = 1024) -> float:
-    """Best fp32 matmul throughput of this process over a few short windows.
-
-    The best window, not the mean: ranks start at the same time and share the
-    cores, and a peak measured during that contention would overstate MFU.
-    """
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)  # warm-up: the first call pays for the thread pool's start
-    best = 0.0
-    for _ in range(windows):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = max(best, 2 * n**3 / (time.perf_counter() - start) / 1e12)
-    return best
-
-
-def resolve_peak(configured: float | None, device: torch.device, dtype: str) -> Peak:
+def resolve_peak(configured: float | None, device: torch.device, dtype: str, cost_profile: str = "auto") -> Peak:
+    """The fixed peak MFU is measured against, never re-measured per run (a benchmark at
+    start-up on a shared host read 0.02 to 0.1 TFLOP/s, so MFU swung past 100%):
+    ``metrics.peak_tflops``; else the cost profile's (``autoparallel.cost_profile``, a
+    calibrated .json or a built-in one); with ``auto``, a GPU's datasheet peak and on
+    CPU the built-in ``cpu_gloo`` profile's."""
     if configured is not None:
         return Peak(configured, "[metrics] peak_tflops")
-    if device.type == "cuda":
-        if dtype == "float32" and torch.get_float32_matmul_precision() != "highest":
-            dtype = "tf32"
-        name = torch.cuda.get_device_name(device)
-        for key, table in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return Peak(table[dtype], f"datasheet {dtype} peak of {key}")
-        return Peak(GPU_PEAK_TFLOPS["A100"][dtype], f"unknown GPU {name!r}: assumed A100")
-    return Peak(measure_cpu_peak_tflops(), "measured by a start-up fp32 matmul benchmark")
+    if device.type == "cuda" and cost_profile == "auto":
+        return _datasheet_peak(device, dtype)
+    from torchtitan_autoparallel.planner.profiles import load_profile
+
+    name = "cpu_gloo" if cost_profile == "auto" else cost_profile
+    profile = load_profile(name)  # float32 at the TF32 rate where the matmul precision allows
+    peak = profile.peak_tflops.get(dtype, profile.peak_tflops["float32"])
+    if name.endswith(".json"):
+        return Peak(peak, f"the {dtype} peak of the calibrated cost profile {name} (its measured matmul rate)")
+    if device.type == "cpu":
+        return Peak(peak, f"cost profile {name}'s built-in {dtype} peak, a fixed figure for a small CPU host, not "
+                          "measured here; CALIBRATE=1 ./run_train.sh measures this host, --autoparallel.cost_profile FILE.json uses it")
+    return Peak(peak, f"cost profile {name}'s {dtype} peak")
+
+
+def _datasheet_peak(device: torch.device, dtype: str) -> Peak:
+    if dtype == "float32" and torch.get_float32_matmul_precision() != "highest":
+        dtype = "tf32"
+    name = torch.cuda.get_device_name(device)
+    for key, table in GPU_PEAK_TFLOPS.items():
+        if key in name:
+            return Peak(table[dtype], f"datasheet {dtype} peak of {key}")
+    return Peak(GPU_PEAK_TFLOPS["A100"][dtype], f"unknown GPU {name!r}: assumed A100")
 
 
 def memory_gib(device: torch.device) -> tuple[float, float]:
@@ -76,6 +81,47 @@ def memory_gib(device: torch.device) -> tuple[float, float]:
         used = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return used / 2**30, 100.0 * used / total
+
+
+def cuda_memory_scalars(device: torch.device) -> dict[str, float]:
+    """torchtitan's memory tags (its DeviceMemoryMonitor's), since the start of the run."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    active, reserved = stats.get("active_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0)
+    return {
+        "memory/max_active(GiB)": active / 2**30,
+        "memory/max_active(%)": 100.0 * active / total,
+        "memory/max_reserved(GiB)": reserved / 2**30,
+        "memory/max_reserved(%)": 100.0 * reserved / total,
+        "memory/num_alloc_retries": stats.get("num_alloc_retries", 0),
+        "memory/num_ooms": stats.get("num_ooms", 0),
+    }
+
+
+# metrics.jsonl's fields -> the tag torchtitan gives the same value in TensorBoard and
+# W&B, so that a torchtitan user's dashboards read these runs; fields it does not log
+# keep ours under train/
+TORCHTITAN_TAGS = {
+    "loss": "loss_metrics/global_avg_loss",
+    "grad_norm": "grad_norm",
+    "tps": "throughput(tps)",
+    "tflops": "tflops",
+    "mfu": "mfu(%)",
+    "lr": "lr",
+    "n_tokens_seen": "n_tokens_seen",
+    "end_to_end_s": "time_metrics/end_to_end(s)",
+}
+NOT_SCALARS = ("step", "time")
+
+
+def scalars_of(record: dict, device: torch.device) -> dict[str, float]:
+    """The TensorBoard / W&B scalars of a step's record: torchtitan's tags, then ours."""
+    scalars = {TORCHTITAN_TAGS[k]: v for k, v in record.items() if k in TORCHTITAN_TAGS}
+    scalars.update(cuda_memory_scalars(device))
+    scalars.update({f"train/{k}": v for k, v in record.items() if k not in TORCHTITAN_TAGS and k not in NOT_SCALARS})
+    return scalars
 
 
 def json_line(record: dict) -> str:
@@ -117,6 +163,8 @@ class MetricsLogger:
 
                 self.tb = SummaryWriter(tensorboard_folder)
         self._tokens = 0
+        self._tokens_seen = 0  # all steps', all ranks' (torchtitan's n_tokens_seen)
+        self._steps = 0  # since the last log
         self._last = self._step_start = time.perf_counter()
         self.plan_check = None  # train/plan_check.PlanCheck of a planned run
         self._logged_step = 0
@@ -150,6 +198,8 @@ class MetricsLogger:
     def add_tokens(self, global_tokens: int) -> None:
         """Called once per step, after it: also times the step for the plan check."""
         self._tokens += global_tokens
+        self._tokens_seen += global_tokens
+        self._steps += 1
         if self.plan_check is not None:
             if self.device.type == "cuda":  # the step's kernels are queued, not done
                 torch.cuda.synchronize(self.device)
@@ -161,7 +211,7 @@ class MetricsLogger:
         now = time.perf_counter()
         elapsed, self._last = now - self._last, now
         tps = self._tokens / max(elapsed, 1e-9) / self.world_size
-        self._tokens = 0
+        steps, self._tokens, self._steps = max(self._steps, 1), 0, 0
         tflops = self.flops_per_token * tps / 1e12
         mem, mem_pct = memory_gib(self.device)
         record = {
@@ -174,7 +224,9 @@ class MetricsLogger:
             "memory_gib": mem,
             "memory_pct": mem_pct,
             "lr": lr,
-            "step_time_s": elapsed,
+            "n_tokens_seen": self._tokens_seen,
+            "step_time_s": elapsed,  # since the last logged step (log_freq steps)
+            "end_to_end_s": elapsed / steps,  # per step, as torchtitan's time_metrics/end_to_end(s)
             "time": time.time(),  # wall clock, so start-up time can be read off the first record
         }
         plan_note = ""
@@ -189,7 +241,7 @@ class MetricsLogger:
         )
         if self.jsonl is not None:
             self.jsonl.write(json_line(record))
-        scalars = {f"train/{k}": v for k, v in record.items() if k not in ("step", "time")}
+        scalars = scalars_of(record, self.device)
         if self.tb is not None:
             for key, value in scalars.items():
                 self.tb.add_scalar(key, value, step)
@@ -216,10 +268,10 @@ class MetricsLogger:
         if self.jsonl is not None:
             self.jsonl.write(json_line(record))
         if self.tb is not None:
-            self.tb.add_scalar("validation/loss", result.loss, result.step)
+            self.tb.add_scalar("validation_metrics/loss", result.loss, result.step)  # torchtitan's tag
             self.tb.flush()
         if self.wandb is not None:
-            self.wandb.log({"validation/loss": result.loss}, step=result.step)
+            self.wandb.log({"validation_metrics/loss": result.loss}, step=result.step)
 
     def close(self) -> None:
         if self.plan_check is not None and self.writes:

@@ -284,7 +284,8 @@ def build_data(
 
 
 def build_metrics(job: JobConfig, runtime: Runtime, flops_per_token: float) -> MetricsLogger:
-    peak = resolve_peak(job.metrics.peak_tflops, runtime.device, job.training.mixed_precision_param)
+    peak = resolve_peak(job.metrics.peak_tflops, runtime.device, job.training.mixed_precision_param,
+                        job.autoparallel.cost_profile)
     logger.info(f"MFU peak: {peak.tflops:.4f} TFLOPs per device ({peak.source})")
     tb = tensorboard_folder(job) if job.metrics.enable_tensorboard else None
     return MetricsLogger(

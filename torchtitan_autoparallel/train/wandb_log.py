@@ -4,7 +4,9 @@ The project is ``$WANDB_PROJECT`` (default ``torchtitan_autoparallel``), the run
 name ``$WANDB_RUN_NAME`` or the job's description, and its files go under the
 dump folder. Without network or login, ``WANDB_MODE=offline`` keeps the run on
 disk for ``wandb sync`` later. ``MetricsLogger`` logs the same values as to
-TensorBoard (``train/...``, ``validation/loss``).
+TensorBoard, under torchtitan's names where torchtitan logs them
+(``loss_metrics/global_avg_loss``, ``throughput(tps)``, ``mfu(%)``,
+``validation_metrics/loss``, ...) and ours under ``train/`` for the rest.
 """
 
 from __future__ import annotations
