@@ -50,7 +50,10 @@ logger = logging.getLogger("torchtitan_autoparallel")
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[rank%(rank)s] %(asctime)s %(message)s")
+    # Under torchrun (run_train.sh tees each rank's output) torchrun starts every line
+    # with [rank<r>]: itself; tagging it again read [rank0]:[rank0] ...
+    tag = "" if "TORCHELASTIC_RUN_ID" in os.environ else "[rank%(rank)s] "
+    logging.basicConfig(level=logging.INFO, format=f"{tag}%(asctime)s %(message)s")
     _tag_log_records_with_rank()
     # `kill -USR1 <rank pid>` prints where every thread of a rank is, even one stuck in
     # a collective or a lock: how to see why a job hangs without stopping it
