@@ -352,3 +352,17 @@ def test_torchtitans_test_tokenizer_path_falls_back_to_the_shipped_one(monkeypat
     (tmp_path / "tests" / "assets" / "tokenizer").mkdir(parents=True)
     shutil.copy(DEFAULT_TOKENIZER_PATH, tmp_path / "tests" / "assets" / "tokenizer" / "tokenizer.json")
     assert resolve_tokenizer_path("./tests/assets/tokenizer") == Path("tests/assets/tokenizer/tokenizer.json")
+
+
+def test_a_stand_in_warning_is_logged_once_by_rank_0(monkeypatch, tmp_path: Path, caplog) -> None:
+    from torchtitan_autoparallel.data import tokenizer as tokenizer_module
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tokenizer_module, "_WARNED", set())
+    monkeypatch.delenv("RANK", raising=False)
+    resolve_tokenizer_path("tests/assets/tokenizer")  # the launcher's check: quiet, and no note kept
+    assert "test tokenizer" not in caplog.text
+    monkeypatch.setenv("RANK", "0")  # the rank, forked from the launcher, says it once
+    resolve_tokenizer_path("tests/assets/tokenizer")
+    resolve_tokenizer_path("tests/assets/tokenizer")
+    assert caplog.text.count("(torchtitan's test tokenizer) is not here; using the shipped tokenizer") == 1

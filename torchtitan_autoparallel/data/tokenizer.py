@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -28,10 +27,14 @@ class DataError(UserError, ValueError):
     """A tokenizer or dataset setting that cannot be honoured, said in one line."""
 
 
-@functools.cache  # once per process, however many loaders are built
+_WARNED: set[str] = set()  # logged by this process, however many loaders it builds
+
+
 def warn_rank0(message: str) -> None:
-    """Log a data warning in rank 0's log (the launcher's own checks stay quiet: the rank says it)."""
-    if os.environ.get("RANK") == "0":
+    """Log a data warning in rank 0's log once (the launcher's own checks stay quiet: the
+    rank says it; a rank forked from the launcher inherits this set, empty, from it)."""
+    if os.environ.get("RANK") == "0" and message not in _WARNED:
+        _WARNED.add(message)
         logging.getLogger("torchtitan_autoparallel").warning(f"warning: {message}")
 
 
