@@ -24,7 +24,9 @@ A bool key alone is true and with no- before it false, as in torchtitan: --compi
 --compile.no-enable.
 Environment: NGPU (ranks), CONFIG_FILE, LOG_RANK (ranks whose output is shown),
 COMM_MODE=fake_backend (one process plans for NGPU ranks), CALIBRATE=1 (measure this
-cluster); see the head of run_train.sh and the README."""
+cluster); see the head of run_train.sh and the README.
+torchtitan's own keys (0.2.2 and mid-2025) are read too, under our names or accepted with a
+warning where they have no effect here: docs/torchtitan_keys.md lists them."""
 
 _FIELD = re.compile(r"^\s+(\w+):[^=]+=[^#]*(?:#\s*(.*))?$")
 _COMMENT = re.compile(r"^\s+#\s?(.*)$")
