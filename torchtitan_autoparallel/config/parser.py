@@ -2,6 +2,9 @@
 
 Every mistake becomes a ``ConfigError`` whose one-line message names the bad
 value and what would be accepted; the launcher prints it without a traceback.
+torchtitan's own keys are read too (``compat.py``): mapped ones under our
+names, the others accepted, with one warning each where they would change what
+torchtitan does.
 """
 
 from __future__ import annotations
