@@ -196,13 +196,28 @@ def _restore(job: JobConfig, t: Training, state: TrainState, ckpt_folder) -> Non
         t.scheduler = build_lr_scheduler(t.optimizer, job.training.steps, job.lr_scheduler, state.step)
 
 
-def _check_finite(job: JobConfig, step: int, loss: float, grad_norm: float) -> None:
+def _check_finite(job: JobConfig, step: int, loss: float, grad_norm: float, finite_at: int) -> None:
     """Stop a run whose loss or gradient norm is no longer finite (the same on every
-    rank: both are global), rather than train on NaN weights."""
+    rank: both are global), rather than train on NaN weights.
+
+    ``finite_at``: the last step whose logged loss was finite (else the step resumed from).
+    The checkpoint to go back to was saved before it: a checkpoint's weights make the
+    losses of the steps after it, so one saved at or after ``finite_at`` may hold the
+    weights that went bad. Of those, the latest whose files verify is named.
+    """
     if math.isfinite(loss) and math.isfinite(grad_norm):
         return
-    saved = checkpoint.latest_step(checkpoint.job_folder(job)) if job.checkpoint.enable else None
-    resume = f"resume from checkpoint step-{saved}" if saved is not None else "restart"
+    folder = checkpoint.job_folder(job)
+    saved = checkpoint.last_verified(folder, before=finite_at) if job.checkpoint.enable else None
+    if saved is not None:
+        resume = (
+            f"resume from checkpoint step-{saved} (checkpoint.load_step = {saved}: the latest that verifies "
+            f"and was saved before the loss stopped being finite)"
+        )
+    elif job.checkpoint.enable and checkpoint.resumable_steps(folder):
+        resume = f"restart after moving the step folders of {folder} aside (none was saved before the loss went bad)"
+    else:
+        resume = "restart"
     raise TrainingDiverged(
         f"training diverged at step {step}: loss {loss}, grad_norm {grad_norm}, so the weights "
         f"are no longer usable; accepted: {resume} with a smaller optimizer.lr "
@@ -219,7 +234,7 @@ def _saver(job: JobConfig, ckpt_folder) -> checkpoint.Saver | None:
 def _loop(job: JobConfig, t: Training, state: TrainState, saver, per_step: tuple) -> None:
     """The steps; ``per_step``: what is told of each finished step (``step(n)``)."""
     data = iter(t.dataloader)
-    first = state.step + 1
+    first, finite_at = state.step + 1, state.step
     while state.step < job.training.steps:
         state.step += 1
         loss, grad_norm, lr = t.train_step([next(data) for _ in range(t.accumulation_steps)])
@@ -231,7 +246,8 @@ def _loop(job: JobConfig, t: Training, state: TrainState, saver, per_step: tuple
         if state.step % job.metrics.log_freq == 0 or state.step == job.training.steps:
             global_loss, norm = t.global_loss(loss), float(grad_norm)
             t.metrics.log(state.step, global_loss, norm, lr)
-            _check_finite(job, state.step, global_loss, norm)
+            _check_finite(job, state.step, global_loss, norm, finite_at)
+            finite_at = state.step
         if t.validator is not None and t.validator.due(state.step):
             t.metrics.log_validation(t.validator.run(t, state.step))
         if saver is not None and _saves(job, state.step):
