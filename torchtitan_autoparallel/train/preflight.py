@@ -41,6 +41,8 @@ def check(job: JobConfig, ngpu: int, fake: bool = False) -> None:
     else:
         _warn_unused_planner_settings(job)
     checkpoint.check_resume(job, entry.family)
+    if not fake:  # a plan for a cluster: the checkpoint folder is the cluster's
+        checkpoint.check_destination(job, entry.family)
     _check_writable_folder("job.dump_folder", job.job.dump_folder, job.job.dump_folder)
     if job.metrics.enable_tensorboard:  # an absolute folder may lie outside the dump folder
         _check_writable_folder("metrics.save_tb_folder", job.metrics.save_tb_folder, tensorboard_folder(job))
