@@ -34,7 +34,7 @@ if [ "$NNODES" -gt 1 ]; then
   rdzv=(--nnodes "$NNODES" --node-rank "${NODE_RANK:?set NODE_RANK}" --rdzv-backend c10d
         --rdzv-endpoint "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port}" --rdzv-id "${RDZV_ID:-tap}")
 else
-  rdzv=(--standalone)
+  rdzv=(--standalone)  # the launcher keeps its stores and gloo's sockets on 127.0.0.1
 fi
 
 # One process counts the GPUs (NGPU defaults to them, or 4 CPU ranks), checks the job

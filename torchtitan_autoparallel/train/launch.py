@@ -19,6 +19,7 @@ process, playing rank 0 of NGPU ranks on a fake process group.
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -31,6 +32,7 @@ import socket
 import sys
 import threading
 import traceback
+import uuid
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import NoReturn
@@ -48,6 +50,7 @@ FORK_ENV = "AUTOPARALLEL_FORK_RANKS"  # 0: start each CPU rank as a new process
 FORKED_RANK = str(Path(__file__).with_name("forked_rank.py"))  # torchrun's --run-path wants a path
 FORK_SERVER = "forkserver"  # the start method of forked CPU ranks
 SERVER_NAME = "tap-forkserver"  # the fork server's process name (``pgrep -x``)
+LOOPBACK, LOOPBACK_INTERFACE = "127.0.0.1", "lo"  # where a single-node job's sockets listen
 PR_SET_NAME = 15  # prctl(2)
 PR_SET_PDEATHSIG = 1
 # What the fork server imports for the ranks: the trainer and what the preflight check
@@ -77,6 +80,7 @@ def main(argv: list[str]) -> int:
         start = rank_start(gpus, torchrun_args, os.environ.get(FORK_ENV, "1"))
         if gpus == 0:
             share_cpu_cores(ngpu, os.environ)
+        torchrun_args = loopback_only(torchrun_args, gpus, os.environ)
         if module == TRAIN_MODULE:
             check(load_config(module_args), ngpu, fake)
     except UserError as e:
@@ -218,6 +222,56 @@ def share_cpu_cores(ranks: int, env: MutableMapping[str, str]) -> None:
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", per_rank)
 
 
+def loopback_only(torchrun_args: list[str], gpus: int, env: MutableMapping[str, str]) -> list[str]:
+    """A single-node job's torchrun options, with its stores reachable from this host only.
+
+    ``--standalone`` has torchrun host its rendezvous store, and the store the ranks'
+    process group shares, on every interface of the host: anyone who can reach the
+    machine could write into a running job's store. A single-node job needs none of
+    that, so its rendezvous runs on 127.0.0.1 (``--local-addr`` is also where the ranks
+    find the shared store), both stores listen there only (``_bind_stores_to_loopback``),
+    and CPU ranks' gloo connections listen there too (unless ``GLOO_SOCKET_IFNAME`` is
+    set). Multi-node options are kept as they are.
+    """
+    if "--standalone" not in torchrun_args:
+        return torchrun_args
+    if gpus == 0:
+        env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
+    rest = [a for a in torchrun_args if a != "--standalone"]
+    return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{LOOPBACK}:0", "--rdzv-id", uuid.uuid4().hex,
+            "--local-addr", LOOPBACK, *rest]
+
+
+def _bind_stores_to_loopback() -> None:
+    """torchrun's two TCP stores (the rendezvous's, and the one it shares with the ranks)
+    listen on every interface whatever host they are given; where that host is a
+    loopback address, each is handed a socket already listening there instead."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
+
+    c10d_rendezvous_backend.TCPStore = _store_on_host
+    dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = (
+        lambda self, addr, port: _store_on_host(addr, port, is_master=True, multi_tenant=True)
+    )
+
+
+def _store_on_host(host: str, port: int, *args, is_master: bool = False, **kwargs):
+    """``TCPStore(host, port, ...)``; a server on a loopback host listens on it alone."""
+    from torch.distributed import TCPStore
+
+    if not is_master or not _is_loopback(host) or "master_listen_fd" in kwargs:
+        return TCPStore(host, port, *args, is_master=is_master, **kwargs)
+    listener = socket.create_server((host, port), backlog=socket.SOMAXCONN)
+    bound = listener.getsockname()[1]  # a chosen port when ``port`` is 0
+    return TCPStore(host, bound, *args, is_master=True, master_listen_fd=listener.detach(), **kwargs)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _torchrun(args: list[str]) -> int:
     """torchrun's ``main``; a failed rank ends in one ``error:`` line (``failures.py``)
     instead of torchrun's traceback and per-rank report."""
@@ -231,6 +285,7 @@ def _torchrun(args: list[str]) -> int:
     # its "closing signal SIGTERM" and "failed (exitcode: ...)" lines: the report says it
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.CRITICAL)  # the same, for forked ranks
+    _bind_stores_to_loopback()
     try:
         run(parse_args(args))
     except ChildFailedError as e:
