@@ -58,9 +58,11 @@ def test_a_stuck_collective_after_the_first_step_fails_within_the_train_timeout(
     # rank 1 comes 200 s late to step 2; rank 0 gives up after 3 s
     run, seconds = _launch("step", 200, tmp_path, "--comm.train_timeout_seconds", "3")
     assert run.returncode != 0, run.stderr[-3000:]
+    assert run.returncode == failures.STALLED_EXIT, run.stderr[-3000:]
+    # the frozen rank is named, not rank 0 whose collective timed out waiting for it
     last = run.stderr.rstrip().splitlines()[-1]
-    assert last.startswith("error: rank 0 failed") and "timed out" in last.lower(), run.stderr[-3000:]
-    assert last.endswith(f"({failures.TIMEOUT_HINT})"), last
+    assert last == f"error: {failures.stalled_message([1], 0, 3.0)}", run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
     assert seconds < 120, f"the job took {seconds:.0f} s to fail"
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
 
@@ -100,3 +102,21 @@ def _wait_for_line(logs: Path, text: str, proc: subprocess.Popen, timeout: float
         time.sleep(0.5)
     proc.kill()
     raise AssertionError(f"rank 0 never logged {text!r} (launcher exit status {proc.poll()})")
+
+
+def test_the_stalled_line_names_the_ranks_first() -> None:
+    one = failures.stalled_message([3], 0, 3.0)
+    assert one.startswith("rank 3 stopped responding: it never reached the collective that rank 0 waited 3 s in")
+    assert "LOG_RANK=3" in one and "comm.train_timeout_seconds" in one
+    several = failures.stalled_message([1, 2], 0, None)
+    assert several.startswith("ranks 1, 2 stopped responding: they never reached the collective that rank 0 waited in")
+    assert failures._waited_s("[gloo/pair.cc:129] Timed out waiting 3000ms for send operation") == 3.0
+
+
+def test_a_timeout_with_every_rank_waiting_is_left_as_it_was(monkeypatch) -> None:
+    # nothing points at one rank (all timed out): the error goes on unchanged
+    from torchtitan_autoparallel.distributed import runtime
+
+    monkeypatch.setattr(runtime, "ranks_that_never_arrived", lambda: [])
+    assert failures.name_stalled_ranks(RuntimeError("Timed out waiting 3000ms")) is None
+    assert failures.name_stalled_ranks(RuntimeError("boom")) is None

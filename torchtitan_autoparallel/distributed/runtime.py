@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -21,6 +22,9 @@ from torchtitan_autoparallel.compat import set_timeout
 from torchtitan_autoparallel.cpu_compat import one_gloo_worker_thread, point_torchtitan_at
 
 FORKED_RANK_ENV = "TORCHTITAN_AUTOPARALLEL_FORKED_RANK"  # set in a rank forked by the launcher
+# where each rank whose collective timed out says so, in the job's store (``ranks_that_never_arrived``)
+TIMED_OUT_KEY = "autoparallel/collective_timed_out/"
+ARRIVAL_GRACE_S = 10.0  # how long such a rank waits for the others to say the same
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,32 @@ def set_collective_timeout(timeout: timedelta) -> None:
     for group in dist.distributed_c10d._world.pg_map:
         if dist.get_backend(group) != "fake":
             set_timeout(timeout, group)
+
+
+def ranks_that_never_arrived(grace_s: float = ARRIVAL_GRACE_S) -> list[int] | None:
+    """On a rank whose collective just timed out: the ranks that never reached one
+    (None: unknown, no process group or store to ask).
+
+    A timed-out collective says how long it waited, not for whom. Each rank that
+    waited in a collective times out about ``timeout`` after it got there, so each
+    says so in the job's store (torchrun's TCP store, which a failed collective
+    leaves working) and waits up to ``grace_s`` for the others to do the same: one
+    that has not by then never got to a collective (frozen, stuck elsewhere, or far
+    slower). Every waiting rank, not only the first, names them; the launcher stops
+    the frozen ones once the first of these ranks has exited.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        world = dist.get_world_size()
+        store.set(f"{TIMED_OUT_KEY}{dist.get_rank()}", "1")
+        missing, end = list(range(world)), time.monotonic() + grace_s
+        while True:
+            missing = [r for r in missing if not store.check([f"{TIMED_OUT_KEY}{r}"])]
+            if not missing or time.monotonic() >= end:
+                return missing
+            time.sleep(0.2)
+    except (RuntimeError, ValueError):  # no process group, or its store is gone too
+        return None
 
 
 def _init_fake(world_size: int) -> Runtime:

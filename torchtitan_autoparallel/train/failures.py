@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -41,6 +42,8 @@ TIMEOUT_HINT = (
     "limit is too short; comm.init_timeout_seconds holds until the first step is done, "
     "comm.train_timeout_seconds after it"
 )
+STALLED_EXIT = 1  # a rank's status when its collective timed out waiting for named ranks
+STALLED_KEY = "never_arrived"  # the error file's list of those ranks (``name_stalled_ranks``)
 # SIGKILL is the one signal a rank cannot catch, so it leaves no message; on a
 # training host it is almost always the kernel's out-of-memory killer.
 KILLED_HINT = "most often the out-of-memory killer: the host or the job's memory limit is too small"
@@ -49,11 +52,51 @@ KILLED_HINT = "most often the out-of-memory killer: the host or the job's memory
 def record_user_error(message: str) -> None:
     """On a rank: make ``message`` the rank's reported failure; print it unless our
     launcher will (then it is printed once, not once per shown rank)."""
+    # torchrun's reader takes a plain string message with a top-level timestamp
+    _record(message, {})
+
+
+def name_stalled_ranks(error: BaseException) -> int | None:
+    """On a rank: for a collective that timed out, record one line naming the ranks
+    that never reached one (``runtime.ranks_that_never_arrived``) and return the exit
+    status; None for any other error, or when every rank got there (then nothing
+    points at one rank: the error goes on as it is)."""
+    if _TIMED_OUT not in str(error).lower():
+        return None
+    from torchtitan_autoparallel.distributed.runtime import ranks_that_never_arrived
+
+    missing = ranks_that_never_arrived()
+    if not missing:
+        return None
+    rank = int(os.environ.get("RANK", "0"))
+    _record(stalled_message(missing, rank, _waited_s(str(error))), {STALLED_KEY: missing})
+    return STALLED_EXIT
+
+
+def stalled_message(missing: list[int], rank: int, waited_s: float | None) -> str:
+    """One line: the ranks that never arrived first, then how that was seen."""
+    who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {', '.join(map(str, missing))}"
+    waited = f" {waited_s:g} s" if waited_s is not None else ""
+    return (
+        f"{who} stopped responding: {'it' if len(missing) == 1 else 'they'} never reached the collective "
+        f"that rank {rank} waited{waited} in until it timed out; find what holds "
+        f"{who} (LOG_RANK={missing[0]} shows its output, kill -USR1 on its process prints its stack), or if it "
+        "is only slower raise comm.train_timeout_seconds (comm.init_timeout_seconds until the first step is done)"
+    )
+
+
+def _waited_s(text: str) -> float | None:
+    """The wait a timeout message states (gloo: 'Timed out waiting 3000ms')."""
+    found = re.search(r"waiting (\d+)\s*ms", text)
+    return int(found.group(1)) / 1000 if found else None
+
+
+def _record(message: str, extra: dict) -> None:
+    """``record_user_error``'s, with ``extra`` fields for our launcher in the error file."""
     path = os.environ.get(ERROR_FILE_ENV)
     if path:
-        # torchrun's reader takes a plain string message with a top-level timestamp
         with open(path, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
+            json.dump({"message": message, "timestamp": int(time.time()), **extra}, f)
     if not (path and os.environ.get(LAUNCHER_ENV)):
         print(f"error: {message}", file=sys.stderr)
 
@@ -62,6 +105,9 @@ def report(error: ChildFailedError, shown_ranks: set[int] | None) -> int:
     """Print one ``error:`` line for a failed job; the exit status to end with.
     ``shown_ranks``: the ranks whose output the user saw (None: all of them)."""
     rank, failure = root_cause(error.failures)
+    if failure.error_file_data.get(STALLED_KEY) and _recorded(failure):  # names the ranks at fault itself
+        print(f"error: {_message(failure)}", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
     if failure.exitcode == USER_ERROR_EXIT and _recorded(failure):
         print(f"error: {_message(failure)}", file=sys.stderr)
         return USER_ERROR_EXIT
