@@ -32,7 +32,12 @@ from torchtitan_autoparallel.distributed.runtime import (
 from torchtitan_autoparallel.errors import TrainingDiverged, UserError
 from torchtitan_autoparallel.models.registry import build_model_config, get_entry
 from torchtitan_autoparallel.train import checkpoint
-from torchtitan_autoparallel.train.failures import INTERRUPTED_EXIT, USER_ERROR_EXIT, record_user_error
+from torchtitan_autoparallel.train.failures import (
+    INTERRUPTED_EXIT,
+    USER_ERROR_EXIT,
+    name_stalled_ranks,
+    record_user_error,
+)
 from torchtitan_autoparallel.train.garbage import ScheduledGC
 from torchtitan_autoparallel.train.optim import build_lr_scheduler
 from torchtitan_autoparallel.train.profiling import StepProfiler
@@ -71,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         return USER_ERROR_EXIT
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: no traceback (the launcher says it)
         return INTERRUPTED_EXIT
+    except Exception as e:  # a timed-out collective names the ranks that never reached it
+        if (status := name_stalled_ranks(e)) is None:
+            raise
+        return status
     finally:
         shutdown()
 
