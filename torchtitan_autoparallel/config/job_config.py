@@ -116,6 +116,9 @@ class Checkpoint:
     # what a resume leaves as a fresh run has it: optimizer (AdamW's moments), dataloader
     exclude_from_loading: list[str] = field(default_factory=list)
     enable_first_step_checkpoint: bool = False  # also save after step 1 (see a save work early)
+    # a resume follows the learning-rate schedule saved with the checkpoint (its
+    # training.steps and [lr_scheduler]) instead of new settings; the pre-launch check warns of a change
+    keep_lr_schedule: bool = False
     # async: copy the state and write it in the background while training goes on
     async_mode: str = "disabled"
 
