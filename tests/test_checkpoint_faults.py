@@ -28,7 +28,7 @@ from torch import nn
 
 from _run import LLAMA3_CONFIG, run_launcher
 from torchtitan_autoparallel.config import load_config
-from torchtitan_autoparallel.train import checkpoint, checkpoint_files, preflight
+from torchtitan_autoparallel.train import checkpoint, preflight
 
 MODEL_ID = "m"
 
@@ -233,6 +233,8 @@ def test_a_planted_metadata_pickle_runs_no_code(gloo_one, tmp_path: Path, manife
 
 def test_metadata_is_read_by_the_restricted_unpickler_as_dcp_reads_it(gloo_one, tmp_path: Path) -> None:
     from torch.distributed.checkpoint import FileSystemReader
+
+    from torchtitan_autoparallel.train import checkpoint_files
 
     _save(tmp_path, 2)
     ours = checkpoint_files.read_metadata(tmp_path / "step-2")
