@@ -13,7 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps, load_config, resolve_degrees
-from torchtitan_autoparallel.config.job_config import AutoParallel
+from torchtitan_autoparallel.config.job_config import AutoParallel, LRScheduler
 from torchtitan_autoparallel.config.validate import check_planned_validation_shape
 from torchtitan_autoparallel.errors import ConfigError, UserError
 
@@ -41,6 +41,7 @@ def check(job: JobConfig, ngpu: int, fake: bool = False) -> None:
     else:
         _warn_unused_planner_settings(job)
     checkpoint.check_resume(job, entry.family)
+    warn_resumed_changes(job, ngpu, entry.family)
     if not fake:  # a plan for a cluster: the checkpoint folder is the cluster's
         checkpoint.check_destination(job, entry.family)
     _check_writable_folder("job.dump_folder", job.job.dump_folder, job.job.dump_folder)
@@ -57,6 +58,103 @@ def check(job: JobConfig, ngpu: int, fake: bool = False) -> None:
         # planning for a cluster from a laptop: the paths are the cluster's
         print(f"warning: {e}; COMM_MODE=fake_backend only plans and reads no data, "
               "but the real run will need it", file=sys.stderr)
+
+
+# train_state.json's records of what a resume must not change unnoticed (``resume_record``)
+LR_SCHEDULE, GLOBAL_BATCH = "lr_schedule", "global_batch"
+KEEP_LR_SCHEDULE = "checkpoint.keep_lr_schedule"
+
+
+def resume_record(job: JobConfig, world_size: int, scheduler=None) -> dict:
+    """What a save records for a later resume to compare with its own settings: the
+    learning-rate schedule followed (``scheduler``'s when a resume kept a saved one) and
+    the global batch, with the parts it is the product of."""
+    schedule = getattr(scheduler, LR_SCHEDULE, None) or lr_schedule(job.training.steps, job.lr_scheduler)
+    degrees = resolve_degrees(job, world_size)
+    batch = {
+        "training.local_batch_size": job.training.local_batch_size,
+        "data-parallel degree": degrees[0] * degrees[1],
+        "gradient accumulation steps": accumulation_steps(job, degrees),
+    }
+    return {LR_SCHEDULE: schedule, GLOBAL_BATCH: batch}
+
+
+def lr_schedule(steps: int, cfg: LRScheduler) -> dict:
+    """The settings the learning rate of every step depends on (``optim.lr_factor``)."""
+    return {"training.steps": steps, **{f"lr_scheduler.{f.name}": getattr(cfg, f.name) for f in fields(LRScheduler)}}
+
+
+def resumed_scheduler(job: JobConfig, optimizer, saved: dict, done_steps: int):
+    """On a rank: the schedule a resume goes on with, from step ``done_steps + 1``: the
+    job's, or with ``checkpoint.keep_lr_schedule`` the one saved in ``saved`` (its train
+    state), which the scheduler then carries for the next save to record."""
+    from torchtitan_autoparallel.train.optim import build_lr_scheduler
+
+    kept = saved.get(LR_SCHEDULE) if job.checkpoint.keep_lr_schedule else None
+    steps, cfg = job.training.steps, job.lr_scheduler
+    if kept:
+        steps = kept["training.steps"]
+        names = {f.name for f in fields(LRScheduler)}
+        cfg = LRScheduler(**{k.split(".", 1)[1]: v for k, v in kept.items() if k.split(".", 1)[1] in names})
+    scheduler = build_lr_scheduler(optimizer, steps, cfg, done_steps)
+    setattr(scheduler, LR_SCHEDULE, lr_schedule(steps, cfg))
+    return scheduler
+
+
+def warn_resumed_changes(job: JobConfig, ngpu: int, family: str) -> None:
+    """One line for each of what a resume changes silently otherwise: the learning-rate
+    schedule (the steps to come follow the new one) and the global batch (each step
+    sees more or fewer samples, under a learning rate tuned for the saved one)."""
+    found = _resumed_train_state(job, family)
+    if found is None:
+        return
+    where, saved = found
+    now = resume_record(job, ngpu)
+    if (old := saved.get(LR_SCHEDULE)) and (changes := _changes(old, now[LR_SCHEDULE])):
+        if job.checkpoint.keep_lr_schedule:
+            print(f"note: resuming {where}: {changes} are not applied to the learning rate: {KEEP_LR_SCHEDULE} "
+                  "= true keeps the saved schedule", file=sys.stderr)
+        else:
+            print(f"warning: resuming {where} with another learning-rate schedule: {changes}; the steps to "
+                  f"come follow the new one; accepted: {KEEP_LR_SCHEDULE} = true keeps the saved one",
+                  file=sys.stderr)
+    if (old := saved.get(GLOBAL_BATCH)) and _product(old) != _product(now[GLOBAL_BATCH]):
+        print(f"warning: resuming {where} with another global batch: {_product(old)} samples a step "
+              f"({_parts(old)}) -> {_product(now[GLOBAL_BATCH])} ({_parts(now[GLOBAL_BATCH])}); the learning "
+              "rate is not scaled with it; accepted: training.global_batch_size = "
+              f"{_product(old)} keeps the saved batch (gradient accumulation makes up the difference)",
+              file=sys.stderr)
+
+
+def _resumed_train_state(job: JobConfig, family: str) -> tuple[str, dict] | None:
+    """(where, train state) of the checkpoint a run of ``job`` goes on from; None when it
+    starts at step 1 (fresh, or from another checkpoint's weights only)."""
+    from torchtitan_autoparallel.train import checkpoint
+
+    wanted = checkpoint.job_model_id(job, family)
+    if (step := checkpoint.step_to_load(job)) is not None:
+        return f"checkpoint step-{step}", checkpoint.read_train_state(checkpoint.job_folder(job), step, wanted)
+    c = job.checkpoint
+    path = checkpoint.initial_load_path(job)
+    if path is None or c.initial_load_model_only or c.initial_load_in_hf:
+        return None
+    return f"checkpoint {str(path)!r}", checkpoint.check_initial(path, wanted, False)
+
+
+def _changes(old: dict, new: dict) -> str:
+    """'key old -> new' for each setting that differs, comma-separated ('' for none)."""
+    return ", ".join(f"{k} {old[k]!r} -> {new[k]!r}" for k in new if k in old and old[k] != new[k])
+
+
+def _product(batch: dict) -> int:
+    result = 1
+    for value in batch.values():
+        result *= value
+    return result
+
+
+def _parts(batch: dict) -> str:
+    return " x ".join(f"{k} {v}" for k, v in batch.items())
 
 
 def _check_data_paths(job: JobConfig) -> None:
