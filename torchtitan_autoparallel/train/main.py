@@ -31,7 +31,7 @@ from torchtitan_autoparallel.distributed.runtime import (
 )
 from torchtitan_autoparallel.errors import TrainingDiverged, UserError
 from torchtitan_autoparallel.models.registry import build_model_config, get_entry
-from torchtitan_autoparallel.train import checkpoint
+from torchtitan_autoparallel.train import checkpoint, preflight
 from torchtitan_autoparallel.train.failures import (
     INTERRUPTED_EXIT,
     USER_ERROR_EXIT,
@@ -39,7 +39,6 @@ from torchtitan_autoparallel.train.failures import (
     record_user_error,
 )
 from torchtitan_autoparallel.train.garbage import ScheduledGC
-from torchtitan_autoparallel.train.optim import build_lr_scheduler
 from torchtitan_autoparallel.train.profiling import StepProfiler
 from torchtitan_autoparallel.train.setup import (
     Training,
@@ -202,7 +201,7 @@ def _restore(job: JobConfig, t: Training, state: TrainState, ckpt_folder) -> Non
             logger.info("data position not loaded (checkpoint.exclude_from_loading): the data starts over")
         else:
             t.dataloader.load_state_dict(saved["data"])
-        t.scheduler = build_lr_scheduler(t.optimizer, job.training.steps, job.lr_scheduler, state.step)
+        t.scheduler = preflight.resumed_scheduler(job, t.optimizer, saved, state.step)  # keep_lr_schedule
 
 
 def _check_finite(job: JobConfig, step: int, loss: float, grad_norm: float, finite_at: int) -> None:
@@ -274,6 +273,7 @@ def _saves(job: JobConfig, step: int) -> bool:
 def _save(job: JobConfig, t: Training, step: int, saver: checkpoint.Saver) -> None:
     c = job.checkpoint
     train_state = {"data": t.dataloader.state_dict(), "model_id": t.model_id, "world_size": t.runtime.world_size}
+    train_state.update(preflight.resume_record(job, t.runtime.world_size, t.scheduler))  # what a resume compares
     model_only = c.last_save_model_only and step == job.training.steps
     dtype = getattr(torch, c.export_dtype) if model_only else None
     hf = _hf_adapter(job) if model_only and c.last_save_in_hf else None
