@@ -107,9 +107,34 @@ def test_infeasible_budget_names_the_smallest_feasible_one(model, mesh_2d):
         )
 
 
-def test_a_generous_budget_lets_the_solver_replicate(model):
+@pytest.fixture(scope="module")
+def fsdp_plan(model) -> Plan:
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",))
-    tight = plan_training_step(model, mesh, global_batch_size=64, seq_len=512, profile=PROFILE)
+    return plan_training_step(model, mesh, global_batch_size=64, seq_len=512, profile=PROFILE)
+
+
+def test_the_whole_peak_is_listed_by_part(fsdp_plan, model):
+    parts = fsdp_plan.peak_parts
+    assert set(parts) == {
+        "parameters", "optimizer_state", "gradients", "activations", "weight_copies", "redistribution_buffers"
+    }
+    assert fsdp_plan.predicted["peak_bytes_per_device"] == pytest.approx(sum(parts.values()))
+    assert parts["parameters"] == pytest.approx(fsdp_plan.param_bytes_per_device)
+    assert parts["optimizer_state"] == pytest.approx(2 * parts["parameters"])  # AdamW's two moments
+    assert min(parts.values()) >= 0 and parts["activations"] > 0  # gradients: 0 when the peak opens the backward
+
+
+def test_weights_gathered_for_the_forward_and_kept_for_the_backward_are_counted(fsdp_plan, model):
+    # FSDP gathers w.t() once and the backward's matmul reads the same gathered copy:
+    # that buffer lives from one to the other (measured on CPU ranks, experiments/memory).
+    full = sum(p.numel() * 4 for p in model.parameters())
+    assert 0 < fsdp_plan.peak_parts["weight_copies"] <= full
+    assert fsdp_plan.predicted["peak_weight_copy_bytes_per_device"] == fsdp_plan.peak_parts["weight_copies"]
+
+
+def test_a_generous_budget_lets_the_solver_replicate(model, fsdp_plan):
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",))
+    tight = fsdp_plan
     loose = plan_training_step(
         model, mesh, global_batch_size=64, seq_len=512, profile=PROFILE, memory_budget_gib=1.0
     )

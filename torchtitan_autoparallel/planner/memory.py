@@ -7,16 +7,20 @@ chosen placements:
   size, and freed after their last consumer; views and ``getitem`` alias
   what they look into, and keep it alive;
 * an input the op needs in another placement than its producer gave is a
-  transient buffer, alive only while that op runs (an FSDP weight gather);
+  transient buffer, alive only while that op runs, unless the op is a view:
+  then the view shows the redistributed buffer and keeps it alive as long as
+  its own users (FSDP's gathered ``w.t()``, used by the forward matmul and
+  again by the backward's, lives from one to the other);
 * each parameter gradient, once produced, is kept until the end of the step
   at its parameter's placement (the reduced gradient the optimizer reads);
   the unreduced gradient dies after its last use like any activation;
 * parameters, buffers, the input batch and the optimizer state are not
-  counted (``param_bytes_per_device`` covers the parameters); nor are the
-  allocator's fragmentation or kernel workspaces.
+  part of the walk: ``whole_peak`` adds the parameters and the optimizer's
+  state, which live through the whole step; nor are the allocator's
+  fragmentation or kernel workspaces counted.
 
-So the figure is what the planned program itself keeps live at its worst
-moment, which is what changes between two plans of one model. ``predicted_peak``
+So the walk's figure is what the planned program itself keeps live at its
+worst moment, which is what changes between two plans of one model. ``predicted_peak``
 also says what is live then, grouped (op, dtype, shape, placements), largest
 first, so a plan that does not fit says why.
 """
@@ -57,6 +61,9 @@ def _is_alias(node: fx.Node) -> bool:
 
 
 TOP_PARTS = 8  # groups of live tensors a peak lists; the rest are summed as one
+# Both optimizers a job can name (AdamW, Adam) keep two moments per parameter
+# (exp_avg and exp_avg_sq), each the size and placement of the parameter.
+OPTIMIZER_STATE_COPIES = 2
 
 
 @dataclass
@@ -76,6 +83,22 @@ class Peak:
     # of ``bytes``: values computed from the parameters alone (cast or gathered weights
     # kept for the backward), which a smaller batch does not shrink
     weight_copy_bytes: float = 0.0
+    gradient_bytes: float = 0.0  # of ``bytes``: reduced gradients kept to the step's end
+    buffer_bytes: float = 0.0  # of ``bytes``: inputs redistributed for the op at the peak
+
+
+def whole_peak(peak: Peak, param_bytes: float) -> dict[str, float]:
+    """The per-device peak of a training step by kind of bytes: ``peak`` (the walk's)
+    plus the parameters (``param_bytes`` per device) and the optimizer's state."""
+    activations = peak.bytes - peak.weight_copy_bytes - peak.gradient_bytes - peak.buffer_bytes
+    return {
+        "parameters": param_bytes,
+        "optimizer_state": OPTIMIZER_STATE_COPIES * param_bytes,
+        "gradients": peak.gradient_bytes,
+        "activations": activations,
+        "weight_copies": peak.weight_copy_bytes,
+        "redistribution_buffers": peak.buffer_bytes,
+    }
 
 
 @dataclass
@@ -109,7 +132,9 @@ def predicted_peak(
         live -= frees.get(i, 0.0)
     copies = _weight_copies(traced)
     weight_bytes = sum(nbytes for owner, nbytes in _live_at(t, at) if owner in copies)
-    return Peak(peak, t.order[at].name, _parts_at(t, at, chosen), weight_bytes)
+    grads = sum(b for i, b in t.kept.items() if i <= at)
+    parts = _parts_at(t, at, chosen)
+    return Peak(peak, t.order[at].name, parts, weight_bytes, grads, t.transient.get(at, 0.0))
 
 
 def _live_at(t: _Timeline, at: int) -> Iterator[tuple[fx.Node, float]]:
@@ -138,23 +163,28 @@ def _timeline(
 ) -> _Timeline:
     order = list(traced.graph.graph.nodes)
     position = {n: i for i, n in enumerate(order)}
+    moved = _redistributed(chosen, edge_parts, mesh_sizes)
     root: dict[fx.Node, fx.Node] = {}  # alias -> the allocation it shows
     size: dict[fx.Node, float] = {}
     last_use: dict[fx.Node, int] = {}
+    transient: dict[int, float] = defaultdict(float)
     for i, node in enumerate(order):
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        if _is_alias(node) and isinstance(node.args[0], fx.Node):
+        buffers = dict(moved.get(node, {}))
+        if _is_alias(node) and isinstance(node.args[0], fx.Node) and 0 not in buffers:
             root[node] = root.get(node.args[0], node.args[0])
+        elif _is_alias(node) and 0 in buffers:  # a view of its redistributed input: it owns that buffer
+            root[node], size[node], last_use[node] = node, buffers.pop(0), i
         else:
             root[node] = node
             size[node] = _output_bytes(node, chosen.get(node), mesh_sizes)
             last_use[node] = i
+        transient[i] += sum(buffers.values())
         for arg in node.all_input_nodes:
             if arg in root:
                 owner = root[arg]
                 last_use[owner] = max(last_use.get(owner, i), i)
-    transient = _transient_bytes(chosen, edge_parts, mesh_sizes, position)
     kept = _gradient_bytes(traced, chosen, mesh_sizes, position)
     return _Timeline(order, position, size, last_use, transient, kept)
 
@@ -189,14 +219,14 @@ def _describe(node: fx.Node, strategy: Strategy | None) -> str:
     return f"{op} {dtype} {list(first.shape)} {where}".rstrip()
 
 
-def _transient_bytes(
+def _redistributed(
     chosen: Mapping[fx.Node, Strategy],
     edge_parts: list[list[EdgeInfo]],
     mesh_sizes: tuple[int, ...],
-    position: dict[fx.Node, int],
-) -> dict[int, float]:
-    """Graph position -> bytes of the inputs redistributed for the op there."""
-    out: dict[int, float] = {}
+) -> dict[fx.Node, dict[int, float]]:
+    """consumer -> tensor-argument index -> bytes of that input after its redistribution,
+    for the inputs the plan redistributes (gradient edges left out: ``_gradient_bytes``)."""
+    out: dict[fx.Node, dict[int, float]] = defaultdict(dict)
     for parts in edge_parts:
         for part in parts:
             if part.arg_index == GRAD_EDGE or part.consumer not in chosen or part.producer not in chosen:
@@ -206,8 +236,8 @@ def _transient_bytes(
             if dst is None or src == dst:
                 continue
             nbytes = math.prod(local_shape(part.shape, dst, mesh_sizes)) * part.dtype.itemsize
-            at = position[part.consumer]
-            out[at] = out.get(at, 0.0) + float(nbytes)
+            args = out[part.consumer]
+            args[part.arg_index] = args.get(part.arg_index, 0.0) + float(nbytes)
     return out
 
 

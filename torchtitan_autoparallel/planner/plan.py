@@ -26,7 +26,7 @@ from torchtitan_autoparallel.planner.cost_model import (
     placement_str,
     redistribute_steps,
 )
-from torchtitan_autoparallel.planner.memory import predicted_peak
+from torchtitan_autoparallel.planner.memory import predicted_peak, whole_peak
 from torchtitan_autoparallel.planner.placement import label
 from torchtitan_autoparallel.planner.rules import VIEW_OPS
 from torchtitan_autoparallel.planner.solvers.base import Solution
@@ -51,7 +51,7 @@ class Plan:
     parameters: dict[str, list[str]]  # FQN -> one placement label per mesh dim
     nodes: dict[str, str]  # graph node -> output placements
     collectives: list[Collective]
-    predicted: dict[str, float]  # compute_us, comm_us, total_us, param_bytes_per_device, peak_activation_bytes_per_device
+    predicted: dict[str, float]  # compute_us, comm_us, total_us, param_bytes_per_device, peak_bytes_per_device, ...
     replicated_ops: list[str]
     objective: float
     lower_bound: float
@@ -67,6 +67,9 @@ class Plan:
     # dicts: what, count, bytes; largest first), and the graph node running then.
     peak_contents: list[dict[str, Any]] = field(default_factory=list)
     peak_at: str = ""
+    # ``predicted["peak_bytes_per_device"]`` by kind (``memory.whole_peak``): parameters,
+    # optimizer_state, gradients, activations, weight_copies, redistribution_buffers
+    peak_parts: dict[str, float] = field(default_factory=dict)
     # Each problem node's chosen strategy, by index, in the order of the problem the
     # planner solved (``--autoparallel.export_problem`` writes it; docs/problem_format.md):
     # what re-scores the plan independently of this package.
@@ -123,14 +126,17 @@ def plan_from_solution(
     peak = predicted_peak(traced, chosen, built.edge_parts, mesh.sizes)
     compute = float(sum(problem.unary[v][x[v]] for v in range(problem.num_nodes)))
     comm = float(sum(t[x[u], x[v]] for t, (u, v) in zip(problem.pairwise, problem.edges)))
+    param_bytes = float(problem.memory_used(x))
+    parts = whole_peak(peak, param_bytes)
     predicted = {
         "compute_us": compute,
         "comm_us": comm,
         "total_us": compute + comm,
-        "param_bytes_per_device": float(problem.memory_used(x)),
-        # An estimate from live tensor sizes; planner/memory.py says what it counts.
-        "peak_activation_bytes_per_device": peak.bytes,
-        "peak_weight_copy_bytes_per_device": peak.weight_copy_bytes,  # of the peak above
+        "param_bytes_per_device": param_bytes,
+        # Estimates from live tensor sizes; planner/memory.py says what they count.
+        "peak_bytes_per_device": sum(parts.values()),  # the whole step's, parts in ``peak_parts``
+        "peak_activation_bytes_per_device": peak.bytes,  # the step's own tensors, of the peak above
+        "peak_weight_copy_bytes_per_device": peak.weight_copy_bytes,  # of the line above
     }
     return Plan(
         mesh={"names": list(mesh.names), "sizes": list(mesh.sizes)},
@@ -147,6 +153,7 @@ def plan_from_solution(
         memory_budget_bytes=problem.memory_budget,
         peak_contents=[asdict(part) for part in peak.parts],
         peak_at=peak.at,
+        peak_parts=parts,
         assignment=x.tolist(),
     )
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan_autoparallel.errors import UserError
+from torchtitan_autoparallel.planner.memory import OPTIMIZER_STATE_COPIES
 from torchtitan_autoparallel.planner.plan import Plan
 
 GIB = 2**30
@@ -128,8 +129,6 @@ def large_buffers(plan: Plan, threshold_bytes: float) -> list[LargeBuffer]:
     return sorted(found, key=lambda b: -b.bytes)
 
 
-ADAMW_STATE_COPIES = 2  # exp_avg and exp_avg_sq, each the size of its parameter
-
 
 @dataclass
 class MemoryFit:
@@ -197,12 +196,14 @@ def peak_summary(plan: Plan, parts: int = 3) -> str | None:
 
 def state_bytes(plan: Plan) -> float:
     """Parameters and AdamW's state, per device."""
-    return plan.param_bytes_per_device * (1 + ADAMW_STATE_COPIES)
+    return plan.param_bytes_per_device * (1 + OPTIMIZER_STATE_COPIES)
 
 
 def predicted_peak_bytes(plan: Plan) -> float | None:
     """The plan's whole per-device peak: parameters and AdamW state plus the step's peak of
     activations and gradients; None for plans written before the activation estimate."""
+    if "peak_bytes_per_device" in plan.predicted:
+        return plan.predicted["peak_bytes_per_device"]
     activations = peak_activation_bytes(plan)
     return None if activations is None else state_bytes(plan) + activations
 

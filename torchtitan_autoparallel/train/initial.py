@@ -33,7 +33,7 @@ from torchtitan_autoparallel.distributed.runtime import Runtime
 from torchtitan_autoparallel.errors import UserError
 from torchtitan_autoparallel.execute.step import FullValues
 from torchtitan_autoparallel.planner.plan import Plan
-from torchtitan_autoparallel.report.common import ADAMW_STATE_COPIES, GIB, fmt_bytes, peak_activation_bytes
+from torchtitan_autoparallel.report.common import GIB, fmt_bytes, predicted_peak_bytes, state_bytes
 from torchtitan_autoparallel.train.setup import init_full_model, param_bytes
 
 logger = logging.getLogger("torchtitan_autoparallel")
@@ -111,7 +111,7 @@ def host_need_bytes(plan: Plan, runtime: Runtime, model_bytes: float, whole: boo
     planned (parameters, AdamW state, the step's predicted peak), and the full model
     while it is placed (on every CPU rank when initialised whole, else once)."""
     on_cpu = runtime.device_type == "cpu"
-    per_rank = plan.param_bytes_per_device * (1 + ADAMW_STATE_COPIES) + (peak_activation_bytes(plan) or 0.0)
+    per_rank = predicted_peak_bytes(plan) or state_bytes(plan)
     step = local_ranks * per_rank if on_cpu else 0.0
     if whole:
         return step + (local_ranks * model_bytes if on_cpu else 0.0)
