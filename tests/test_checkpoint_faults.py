@@ -97,8 +97,21 @@ def test_a_failed_save_is_one_line_and_keeps_the_last_checkpoint(
     assert checkpoint.latest_step(folder) == 2
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a folder chmod 0o500 leaves it (tested above by an EACCES write)")
+def _skip_unless_chmod_blocks_writes(tmp_path: Path) -> None:
+    """Root (with CAP_DAC_OVERRIDE) writes into a folder chmod 0o500 leaves it: skip there."""
+    probe = tmp_path / "probe"
+    probe.mkdir(mode=0o500)
+    try:
+        (probe / "file").touch()
+    except PermissionError:
+        return
+    finally:
+        probe.chmod(0o700)
+    pytest.skip("this user writes into a read-only folder (root): the EACCES cases above cover it")
+
+
 def test_a_save_into_a_read_only_folder_is_one_line(gloo_one, tmp_path: Path) -> None:
+    _skip_unless_chmod_blocks_writes(tmp_path)
     folder = tmp_path / "ckpt"
     _save(folder, 2)
     folder.chmod(0o500)
@@ -132,6 +145,17 @@ def test_preflight_refuses_a_checkpoint_folder_it_cannot_make(tmp_path: Path, ca
     (tmp_path / "file").write_text("a regular file where a folder should be")
     err = _preflight(tmp_path, capsys, "--checkpoint.folder", str(tmp_path / "file" / "ckpt"))
     assert f"checkpoint folder {tmp_path / 'file' / 'ckpt'} cannot be made: {tmp_path / 'file'} is not a folder" in err
+
+
+def test_preflight_refuses_a_checkpoint_folder_it_cannot_write(tmp_path: Path, capsys) -> None:
+    _skip_unless_chmod_blocks_writes(tmp_path)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        err = _preflight(tmp_path, capsys, "--checkpoint.folder", str(locked / "ckpt"))
+    finally:
+        locked.chmod(0o700)
+    assert f"checkpoint folder {locked / 'ckpt'} cannot be written (Permission denied in {locked})" in err, err
 
 
 def test_preflight_refuses_a_disk_without_room_for_one_checkpoint(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -328,7 +352,8 @@ def tmpfs(tmp_path: Path):
     mount.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mount)], capture_output=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); the in-process ENOSPC test covers the save")
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); "
+                    "the in-process ENOSPC test covers the save")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
 

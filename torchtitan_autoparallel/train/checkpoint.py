@@ -134,7 +134,9 @@ def check_destination(job, family: str) -> None:
     try:  # probed by making and removing a folder, so a refused job leaves nothing behind
         os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=existing))
     except OSError as e:
-        raise CheckpointError(f"checkpoint folder {folder} cannot be written ({e.strerror} in {existing}); {accepted}") from None
+        raise CheckpointError(
+            f"checkpoint folder {folder} cannot be written ({e.strerror} in {existing}); {accepted}"
+        ) from None
     needed, params = checkpoint_bytes(job, family)
     free = shutil.disk_usage(existing).free
     if free < needed:
@@ -377,6 +379,7 @@ class PendingSave:
     def fail(self, e: BaseException) -> NoReturn:
         """On every rank (DCP reports any rank's failure on all): stop, with rank 0's
         reading of the cause, so that every rank says the same."""
+        logger.debug(f"checkpoint save failed: {e}")  # every rank's traceback, at the debug level
         why = [files.save_failure(self.path, e) if dist.get_rank() == 0 else None]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(why, src=0)

@@ -296,7 +296,7 @@ def save_failure(path: Path, e: BaseException) -> tuple[str, str]:
         exc = next(iter(e.failures.values()))
         exc = exc[0] if isinstance(exc, tuple) else exc
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return f"{type(exc).__name__}: {first}", "a checkpoint.folder on a working file system (run with LOG_RANK showing every rank for more)"
+    return f"{type(exc).__name__}: {first}", "a checkpoint.folder on a file system that works"
 
 
 def _free_bytes(path: Path) -> int | None:
