@@ -304,6 +304,12 @@ def test_a_latest_step_without_train_state_is_not_passed_over(tmp_path: Path, ca
     assert f"accepted: checkpoint.load_step = 2 (the latest complete checkpoint), or remove {lost}" in err, err
     shutil.rmtree(lost)
     assert checkpoint.latest_step(folder) == 2
+    alone = _fake_step(tmp_path / "other", 4, None)  # with no complete one to go back to
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.latest_step(tmp_path / "other")
+    assert f"a run from step 1 would overwrite it; accepted: another checkpoint.folder, or remove {alone}" in (
+        _one_line(info)
+    )
 
 
 # ---------------------------------------------------------------- 6. divergence

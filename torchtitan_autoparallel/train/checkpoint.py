@@ -182,7 +182,7 @@ def _refuse_incomplete(path: Path | None, older: int | None) -> None:
     if path is None:
         return
     instead = f"checkpoint.load_step = {older} (the latest complete checkpoint)" if older is not None else (
-        "checkpoint.enable = false"
+        "another checkpoint.folder"
     )
     raise CheckpointError(
         f"checkpoint {path} has its shards and {METADATA} but no {STATE_FILE} (the file was lost, or the "
