@@ -156,3 +156,11 @@ def _dataclass_keys(source: str) -> list[str]:
 @pytest.mark.skipif(not SMOKE_SOURCE.is_file(), reason="torchtitan 0.2.2 (.venv-smoke) is not installed")
 def test_the_key_list_is_torchtitan_0_2_2s() -> None:
     assert _dataclass_keys(SMOKE_SOURCE.read_text()) == list(TORCHTITAN_0_2_2)
+
+
+def test_validation_reads_c4_test_whole_as_a_local_set() -> None:
+    """torchtitan's 0.2.2 default validation.steps = -1 (one pass) works on its local test set."""
+    job = load_config(["--validation.enable", "--validation.dataset", "c4_test", "--validation.steps", "-1"])
+    assert job.validation.steps == -1
+    with pytest.raises(ConfigError, match=r"validation\.steps = -1 \(one pass\) needs a local dataset, not 'c4'"):
+        load_config(["--validation.enable", "--validation.dataset", "c4", "--validation.steps", "-1"])
