@@ -19,6 +19,7 @@ be loaded is refused in one line before any rank starts.
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -387,6 +388,19 @@ def test_a_saved_checkpoint_converts_to_hugging_face_safetensors(tmp_path: Path,
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"] and config["torch_dtype"] == "bfloat16"
     assert config["num_hidden_layers"] == len(model.layers) and config["tie_word_embeddings"] is True
+
+    # a planted .metadata runs no code here either (DCP's own reader would unpickle it)
+    class Planted:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "planted-code-ran"), "w"))
+
+    step = tmp_path / "ckpt" / "step-5"
+    (step / "checksums.json").unlink()  # no manifest to catch it first: the unpickler must
+    (step / ".metadata").write_bytes(pickle.dumps(Planted()))
+    capsys.readouterr()
+    assert to_hf.main([str(step), str(tmp_path / "hf3")]) == 2
+    assert "is not DCP metadata (io.open is not part of DCP's metadata)" in capsys.readouterr().err
+    assert not (tmp_path / "planted-code-ran").exists()
 
     capsys.readouterr()
     assert to_hf.main([str(tmp_path / "nowhere"), str(tmp_path / "hf2")]) == 2

@@ -32,7 +32,7 @@ def convert(checkpoint_dir: Path, out_dir: Path, dtype: torch.dtype) -> Path:
     from safetensors.torch import save_file
 
     from torchtitan_autoparallel.models.registry import build_model_config
-    from torchtitan_autoparallel.train import hf_checkpoint
+    from torchtitan_autoparallel.train import checkpoint_files, hf_checkpoint
     from torchtitan_autoparallel.train.checkpoint import CheckpointError, parse_model_id
 
     state_file = checkpoint_dir / "train_state.json"
@@ -50,9 +50,13 @@ def convert(checkpoint_dir: Path, out_dir: Path, dtype: torch.dtype) -> Path:
         model = config.build()
     model.to_empty(device="cpu")
     weights = {"model": model.state_dict()}
+    if (damaged := checkpoint_files.verify(checkpoint_dir)) is not None:
+        raise CheckpointError(f"checkpoint {checkpoint_dir} is damaged: {damaged}; accepted: the files as they were saved")
+    # DCP's own reader would unpickle .metadata unrestricted; this one reads DCP's classes only
+    reader = checkpoint_files.CheckedReader(checkpoint_dir, checkpoint_files.read_metadata(checkpoint_dir))
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(weights, checkpoint_id=str(checkpoint_dir), no_dist=True)
+        dcp.load(weights, storage_reader=reader, no_dist=True)
     adapter = hf_checkpoint.adapter(family, config)
     hf = adapter.to_hf(weights["model"])
     out_dir.mkdir(parents=True, exist_ok=True)
