@@ -1,9 +1,11 @@
 """A stand-in for the training module in the launcher tests: rank 1 fails as told.
 
-    python -m torchtitan_autoparallel.train.launch --ngpu 2 ... -- -m _failing_rank crash|user
+    python -m torchtitan_autoparallel.train.launch --ngpu 2 ... -- -m _failing_rank crash|user|kill
 
 Every other rank waits until the agent stops it, as ranks blocked in a
-collective would be.
+collective would be. ``kill``: rank 1 dies of SIGKILL (as by the out-of-memory
+killer) while rank 0 waits for it in a gloo collective, which fails as the
+trainer's would (``failures.explain_collective_failure``).
 """
 
 from __future__ import annotations
@@ -30,5 +32,28 @@ def main(how: str) -> None:
     sys.exit(USER_ERROR_EXIT)
 
 
+def killed_peer() -> int:
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan_autoparallel.train.failures import explain_collective_failure
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        dist.all_reduce(torch.ones(1))  # rank 1 never comes: gloo finds its connection gone
+    except Exception as e:
+        if (status := explain_collective_failure(e)) is None:
+            raise
+        return status
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "kill":
+        os._exit(killed_peer())
     main(sys.argv[1])

@@ -59,6 +59,34 @@ def test_crash_on_a_shown_rank_is_not_repeated() -> None:
     )
 
 
+def test_a_killed_rank_is_named_not_the_rank_that_lost_it() -> None:
+    # rank 0's collective fails at once with a lost connection, often before the agent
+    # sees rank 1 gone: the line names rank 1 and its signal, and rank 0 prints no traceback
+    run = _launch("kill", log_rank="0")
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stdout + run.stderr, run.stderr
+    assert _error_lines(run.stdout + run.stderr) == [
+        f"error: rank 1 was killed by SIGKILL ({failures.KILLED_HINT}) (its output is hidden: LOG_RANK=1 shows it)"
+    ], run.stderr
+
+
+def test_a_lost_peer_comes_after_the_rank_that_ended(tmp_path: Path, monkeypatch) -> None:
+    message = "RuntimeError: [pair.cc:545] Read error [127.0.0.1]:1: Connection reset by peer."
+    # as torch's ``record`` writes a rank's uncaught error
+    lost = _failure(tmp_path, 0, 1, {"message": {"message": message, "extraInfo": {"timestamp": "0"}}})
+    killed = _failure(tmp_path, 1, -9, None)
+    lost.timestamp = killed.timestamp - 1  # it failed first
+    assert failures.root_cause({0: lost, 1: killed}) == (1, killed)
+    monkeypatch.setenv(failures.ERROR_FILE_ENV, str(tmp_path / "rank0.json"))
+    monkeypatch.setenv(failures.LAUNCHER_ENV, "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(failures, "LOST_PEER_WAIT_S", 0)
+    assert failures.explain_collective_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1")) == 1
+    recorded = ProcessFailure(0, 1, 1, str(tmp_path / "rank0.json"))
+    assert recorded.message.startswith("rank 0 lost its connection to another rank in a collective")
+    assert failures.root_cause({0: recorded, 1: killed}) == (1, killed)
+
+
 @pytest.mark.multirank
 def _the_one_error_line(run) -> str:
     """A job stopped for bad input: exit status 2, no traceback, and one ``error:`` line, its last."""

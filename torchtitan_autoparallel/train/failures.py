@@ -44,6 +44,12 @@ TIMEOUT_HINT = (
 )
 STALLED_EXIT = 1  # a rank's status when its collective timed out waiting for named ranks
 STALLED_KEY = "never_arrived"  # the error file's list of those ranks (``name_stalled_ranks``)
+# gloo's words for a peer that went away mid-collective: a consequence of that peer's own end
+_LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe")
+LOST_PEER_KEY = "lost_peer"  # the error file's mark of such a failure (``explain_collective_failure``)
+# how long such a rank stays before exiting: torchrun's agent, which looks every 0.1 s and
+# reports the first failed rank it finds, then sees the peer's end first and names it
+LOST_PEER_WAIT_S = 3.0
 # SIGKILL is the one signal a rank cannot catch, so it leaves no message; on a
 # training host it is almost always the kernel's out-of-memory killer.
 KILLED_HINT = "most often the out-of-memory killer: the host or the job's memory limit is too small"
@@ -54,6 +60,22 @@ def record_user_error(message: str) -> None:
     launcher will (then it is printed once, not once per shown rank)."""
     # torchrun's reader takes a plain string message with a top-level timestamp
     _record(message, {})
+
+
+def explain_collective_failure(error: BaseException) -> int | None:
+    """On a rank: a collective that lost a peer, or timed out waiting for ranks that never
+    came (``name_stalled_ranks``), ends in one recorded line and an exit status, no
+    traceback; None for any other error. A lost peer is the consequence of that peer's
+    end (killed, crashed): the launcher names that rank (``root_cause``), not this one."""
+    found = [x for x in _LOST_PEER if x in str(error).lower()]
+    if not found:
+        return name_stalled_ranks(error)
+    rank = os.environ.get("RANK", "0")
+    _record(f"rank {rank} lost its connection to another rank in a collective ({found[0]}): that rank ended "
+            "first, and its end is the cause", {LOST_PEER_KEY: True})
+    if os.environ.get(LAUNCHER_ENV):
+        time.sleep(LOST_PEER_WAIT_S)  # the agent stops this rank meanwhile, once it sees the peer's end
+    return 1
 
 
 def name_stalled_ranks(error: BaseException) -> int | None:
@@ -131,16 +153,19 @@ def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure
     nothing else failed: the agent stops every other rank with SIGTERM once one fails,
     and error-file timestamps are whole seconds, so they tie with those ranks'. For the
     same reason a rank that died of another signal (an abort, a segfault, the
-    out-of-memory killer's SIGKILL) comes before those the agent stopped."""
+    out-of-memory killer's SIGKILL) comes before those the agent stopped, and before
+    ranks whose collective lost that rank as a peer (they fail at once, often first)."""
     return min(failures.items(), key=lambda item: (_stopped_by(item[1]), item[1].timestamp,
                                                    not _recorded(item[1]), item[0]))
 
 
 def _stopped_by(failure: ProcessFailure) -> int:
-    """0: the rank exited itself; 1: a signal ended it; 2: the agent's SIGTERM did."""
+    """0: the rank failed itself; 1: a signal ended it; 2: a peer's end did (a lost
+    connection); 3: the agent's SIGTERM did."""
     if failure.exitcode >= 0:
-        return 0
-    return 2 if failure.exitcode == -signal.SIGTERM else 1
+        lost = failure.error_file_data.get(LOST_PEER_KEY) or any(x in _message(failure).lower() for x in _LOST_PEER)
+        return 2 if lost else 0
+    return 3 if failure.exitcode == -signal.SIGTERM else 1
 
 
 def describe(rank: int, failure: ProcessFailure, hidden: bool) -> str:
