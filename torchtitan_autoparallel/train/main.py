@@ -35,7 +35,7 @@ from torchtitan_autoparallel.train import checkpoint, preflight
 from torchtitan_autoparallel.train.failures import (
     INTERRUPTED_EXIT,
     USER_ERROR_EXIT,
-    name_stalled_ranks,
+    explain_collective_failure,
     record_user_error,
 )
 from torchtitan_autoparallel.train.garbage import ScheduledGC
@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         return USER_ERROR_EXIT
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: no traceback (the launcher says it)
         return INTERRUPTED_EXIT
-    except Exception as e:  # a timed-out collective names the ranks that never reached it
-        if (status := name_stalled_ranks(e)) is None:
+    except Exception as e:  # a collective that lost a peer or timed out: one line, naming the rank at fault
+        if (status := explain_collective_failure(e)) is None:
             raise
         return status
     finally:
