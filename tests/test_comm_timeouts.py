@@ -3,7 +3,8 @@
 Start-up's timeout stretches by the solver's time limit, so the ranks waiting
 for rank 0's plan do not give up while it solves; from the end of the first
 step on, ``train_timeout_seconds`` holds, so a rank stuck in a collective
-fails in seconds instead of torch's default half hour.
+fails in seconds instead of torch's default half hour, and the job's line names
+the rank that never reached the collective, not the one that timed out waiting.
 """
 
 from __future__ import annotations
