@@ -65,9 +65,12 @@ def test_another_global_batch_is_one_warning(tmp_path: Path, capsys) -> None:
         "warning: resuming checkpoint step-5 with another global batch: 8 samples a step "
         "(training.local_batch_size 4 x data-parallel degree 2 x gradient accumulation steps 1) -> 16 "
         "(training.local_batch_size 4 x data-parallel degree 4 x gradient accumulation steps 1); the learning "
-        "rate is not scaled with it; accepted: training.global_batch_size = 8 keeps the saved batch "
-        "(gradient accumulation makes up the difference)"
+        "rate is not scaled with it; accepted: training.local_batch_size = 2 (training.global_batch_size = -1) "
+        "keeps the saved batch"
     ], lines
+    # fewer samples a rank: gradient accumulation can make up the saved batch
+    fewer = _warnings(_job(tmp_path, "--training.steps", "10", "--training.local_batch_size", "1"), capsys)
+    assert fewer[0].endswith("accepted: training.global_batch_size = 8 keeps the saved batch"), fewer
     # the same 8 samples, as 2 micro-batches of 2 on 2 ranks: no warning
     same = _job(tmp_path, "--training.steps", "10", "--training.local_batch_size", "2",
                 "--training.global_batch_size", "8")

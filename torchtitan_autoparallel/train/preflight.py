@@ -121,8 +121,7 @@ def warn_resumed_changes(job: JobConfig, ngpu: int, family: str) -> None:
     if (old := saved.get(GLOBAL_BATCH)) and _product(old) != _product(now[GLOBAL_BATCH]):
         print(f"warning: resuming {where} with another global batch: {_product(old)} samples a step "
               f"({_parts(old)}) -> {_product(now[GLOBAL_BATCH])} ({_parts(now[GLOBAL_BATCH])}); the learning "
-              "rate is not scaled with it; accepted: training.global_batch_size = "
-              f"{_product(old)} keeps the saved batch (gradient accumulation makes up the difference)",
+              f"rate is not scaled with it; accepted: {_same_batch(job, _product(old), now[GLOBAL_BATCH])}",
               file=sys.stderr)
 
 
@@ -144,6 +143,16 @@ def _resumed_train_state(job: JobConfig, family: str) -> tuple[str, dict] | None
 def _changes(old: dict, new: dict) -> str:
     """'key old -> new' for each setting that differs, comma-separated ('' for none)."""
     return ", ".join(f"{k} {old[k]!r} -> {new[k]!r}" for k in new if k in old and old[k] != new[k])
+
+
+def _same_batch(job: JobConfig, samples: int, now: dict) -> str:
+    """The setting that gives ``samples`` a step again on this run's data-parallel ranks."""
+    dp = now["data-parallel degree"]
+    if samples % (job.training.local_batch_size * dp) == 0:  # gradient accumulation makes up the rest
+        return f"training.global_batch_size = {samples} keeps the saved batch"
+    if samples % dp == 0:
+        return f"training.local_batch_size = {samples // dp} (training.global_batch_size = -1) keeps the saved batch"
+    return f"a data-parallel degree that divides {samples} keeps the saved batch"
 
 
 def _product(batch: dict) -> int:
