@@ -20,7 +20,6 @@ $(STAMP): pyproject.toml constraints/locked.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -c constraints/locked.txt -e '.[test]'
-	$(VENV)/bin/python -m torchtitan_autoparallel.planner.warm_up  # numba's compile, once
 	touch $(STAMP)
 
 # The smoke job's environment is built as a cluster's would be: its torch first, then the

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from torchtitan_autoparallel.planner.problem import Problem, share_tables
-from torchtitan_autoparallel.planner.solvers import get_solver, kernels
+from torchtitan_autoparallel.planner.solvers import get_solver
 from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
 from torchtitan_autoparallel.planner.solvers.ilp_model import tie_components
 
@@ -153,18 +152,18 @@ import numba
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 from test_shared_tables import stacked_layers
-from torchtitan_autoparallel.planner import sums
+from torchtitan_autoparallel.planner import sums, warm_up
 from torchtitan_autoparallel.planner.solvers import (
-    collapse, compiled_graph, compiled_reduce, get_solver, kernels, local_search, mrf, trws,
+    collapse, get_solver, kernels, local_search, mrf, trws,
 )
 
-COMPILED = (kernels, sums, collapse, compiled_reduce, compiled_graph, local_search, mrf, trws)
+COMPILED = (kernels, sums, collapse, local_search, mrf, trws)
 
 def signatures():
     return {(m.__name__, name): len(f.signatures) for m in COMPILED for name, f in vars(m).items()
             if isinstance(f, numba.core.registry.CPUDispatcher)}
 
-kernels.warm_up()
+warm_up.compile_all()
 before = signatures()
 for layers in (3, 9, 20):
     problem = stacked_layers(layers, True, seed=layers)
@@ -180,7 +179,7 @@ print("WATCHED", len(before))
 
 
 def test_warm_up_covers_every_kernel_signature_a_solve_uses() -> None:
-    """After ``kernels.warm_up`` a solve over shared (read-only) tables compiles, or
+    """After ``warm_up.compile_all`` a solve over shared (read-only) tables compiles, or
     loads from the cache, nothing more: a signature it missed is a compile in the
     middle of a machine's first solve, and 5-10 ms of every fresh process's."""
     import subprocess
@@ -194,17 +193,3 @@ def test_warm_up_covers_every_kernel_signature_a_solve_uses() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "GROWN {}" in done.stdout, done.stdout
     assert int(done.stdout.split("WATCHED")[1]) > 40  # every compiled module's functions
-
-
-def test_a_long_warm_up_says_it_is_compiling(monkeypatch, caplog) -> None:
-    """A first run compiles for about a minute and a half: the log says so as it
-    starts, not only once it is done."""
-    import logging
-
-    monkeypatch.setattr(kernels, "COMPILE_NOTICE_S", 0.0)  # any warm-up counts as long
-    monkeypatch.setattr(kernels, "_compile_all", lambda: time.sleep(1.1))
-    with caplog.at_level(logging.INFO, logger="torchtitan_autoparallel.planner"):
-        kernels.warm_up()
-    said = [r.getMessage() for r in caplog.records]
-    assert said[0].startswith("compiling the solver kernels, once per machine and version")
-    assert said[1].startswith("compiled the solver kernels in 1.1 s")

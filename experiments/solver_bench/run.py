@@ -122,7 +122,8 @@ print("RESULT " + json.dumps({k: t.get(k) for k in ("trace", "strategies", "buil
 _SOLVE = r"""
 import gc, json, math, sys, time
 from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
-from torchtitan_autoparallel.planner.solvers import get_solver, kernels, presolve
+from torchtitan_autoparallel.planner import warm_up
+from torchtitan_autoparallel.planner.solvers import get_solver, presolve
 from torchtitan_autoparallel.planner.solvers.auto import pairwise_entries
 from torchtitan_autoparallel.planner.solvers.presolve import problem_size
 c = json.loads(sys.argv[1])
@@ -134,7 +135,7 @@ solver = get_solver(name, backend or "highs", optimality_check=check)
 # once per process, timed apart: loading the compiled kernels, and importing HiGHS
 # (the solvers import it on first use, which would charge it to the HiGHS cells)
 loaded = time.perf_counter()
-kernels.warm_up()
+warm_up.compile_all()
 kernel_load_s = time.perf_counter() - loaded
 loaded = time.perf_counter()
 import highspy  # noqa: E402,F401

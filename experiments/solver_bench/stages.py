@@ -5,7 +5,7 @@ splits one ``approx`` solve into its stages, each timed alone in one warm
 process (best of ``--repeats``), to show what a faster solve has to shrink:
 
 * ``collapse``: repeated layers to one node each (``collapse.collapse``, as ``presolve``
-  runs it: flat arrays, room left for the compiled pass);
+  runs it: flat arrays);
 * ``reduce``: the rest of the exact presolve (``presolve`` minus ``collapse``);
 * ``mrf``: the reduced problem as compact arrays (``mrf.build_mrf``);
 * ``search``: TRW-S, local search and the memory price search (``approx.search``);
@@ -33,10 +33,10 @@ sys.path.insert(0, str(HERE))
 from run import LOOSE, case_name, pick  # noqa: E402  (this folder's benchmark)
 
 from torchtitan_autoparallel.planner.problem import Problem  # noqa: E402
-from torchtitan_autoparallel.planner.solvers import kernels, presolve  # noqa: E402
+from torchtitan_autoparallel.planner import warm_up  # noqa: E402
+from torchtitan_autoparallel.planner.solvers import presolve  # noqa: E402
 from torchtitan_autoparallel.planner.solvers.approx import search  # noqa: E402
 from torchtitan_autoparallel.planner.solvers.collapse import collapse  # noqa: E402
-from torchtitan_autoparallel.planner.solvers.compiled_graph import ROOM  # noqa: E402
 from torchtitan_autoparallel.planner.solvers.mrf import build_mrf  # noqa: E402
 from torchtitan_autoparallel.planner.solvers.trws import GAP_RTOL  # noqa: E402
 
@@ -57,7 +57,7 @@ def _best(run, repeats: int) -> tuple[float, object]:
 
 def measure(problem: Problem, repeats: int) -> dict[str, float]:
     t = {}
-    t["collapse"], _ = _best(lambda: collapse(problem, ROOM), repeats)
+    t["collapse"], _ = _best(lambda: collapse(problem), repeats)
     presolve_s, pre = _best(lambda: presolve(problem), repeats)
     t["reduce"] = max(presolve_s - t["collapse"], 0.0)
     t["mrf"], mrf = _best(lambda: build_mrf(pre.reduced), repeats)
@@ -123,7 +123,7 @@ def main() -> int:
     if bench.exists():
         highs = {r["case"]: r.get("solvers", {}).get("ilp-highs", {}).get("seconds")
                  for r in json.loads(bench.read_text())}
-    kernels.warm_up()
+    warm_up.compile_all()
     rows = []
     for model, mesh, budget in cases:
         name = case_name(model, mesh, budget)

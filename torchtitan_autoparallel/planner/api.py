@@ -6,6 +6,7 @@ on the ``torchtitan_autoparallel.planner`` logger.
 
 from __future__ import annotations
 
+import functools
 import logging
 import resource
 import sys
@@ -18,14 +19,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan_autoparallel.planner import pricer
+from torchtitan_autoparallel.planner import jit
 from torchtitan_autoparallel.planner.build import BuiltProblem, build_problem
 from torchtitan_autoparallel.planner.overlap import add_overlap_prediction, overlap_spec
 from torchtitan_autoparallel.planner.plan import Plan, plan_from_solution
 from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.profiles import HardwareProfile
 from torchtitan_autoparallel.planner.repeats import repeated_layer_ties
-from torchtitan_autoparallel.planner.solvers import get_solver, kernels
+from torchtitan_autoparallel.planner.solvers import get_solver
 from torchtitan_autoparallel.planner.solvers.auto import choose
 from torchtitan_autoparallel.planner.solvers.base import Solution
 from torchtitan_autoparallel.planner.solvers.overlap import overlap_solver
@@ -59,6 +60,20 @@ def plan_training_step(model: nn.Module, mesh: DeviceMesh, **kwargs) -> Plan:
     return plan_stages(model, mesh, **kwargs).plan
 
 
+def _loops_for_mesh(plan: Callable[..., PlannedStages]) -> Callable[..., PlannedStages]:
+    """Run the planner's loops as Python on a 1-D mesh and compiled on larger ones
+    (``jit.py``): a 1-D problem has a few strategies per node, which Python plans in
+    seconds, less than compiling the loops takes on a machine's first run (minutes)."""
+
+    @functools.wraps(plan)
+    def run(model: nn.Module, mesh: DeviceMesh, **kwargs) -> PlannedStages:
+        with jit.compiled(mesh.ndim > 1):
+            return plan(model, mesh, **kwargs)
+
+    return run
+
+
+@_loops_for_mesh
 def plan_stages(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -121,7 +136,6 @@ def plan_stages(
         log.warning("ops replicated for lack of a sharding rule: %s", ", ".join(table.replicated_ops))
     clock.lap("strategies")
     ties = repeated_layer_ties(traced, table)
-    pricer.warm_up()  # logs the one-off compile of the redistribution search
     built = build_problem(traced, table, profile, memory_budget_gib, ties)
     if export_problem:
         Path(export_problem).parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +145,6 @@ def plan_stages(
     spec = overlap_spec(built, traced) if overlap else None
 
     def solve() -> Solution:  # on the solving rank only
-        kernels.warm_up()  # logs the one-off compile on a machine's first run
         if spec is not None:
             return overlap_solver(solver, ilp_backend, spec, mip_gap=mip_gap).solve(
                 built.problem, time_limit_s

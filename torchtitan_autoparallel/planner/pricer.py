@@ -22,17 +22,15 @@ and keep the least, as ``cost_model._plan`` does, so every time equals
 
 from __future__ import annotations
 
-import logging
 import math
-import time
+import warnings
 from collections.abc import Sequence
 from functools import lru_cache
 
-import numba
 import numpy as np
 from torch.distributed.tensor.placement_types import Placement
 
-from torchtitan_autoparallel.planner import cost_model
+from torchtitan_autoparallel.planner import cost_model, jit
 from torchtitan_autoparallel.planner.cost_model import (
     Code,
     _codes,
@@ -45,11 +43,13 @@ from torchtitan_autoparallel.planner.cost_model import (
 )
 from torchtitan_autoparallel.planner.profiles import HardwareProfile
 
-LOG = logging.getLogger("torchtitan_autoparallel.planner")
 RADIX = 64  # placement codes one pricer can number (one digit of a state)
 _EMPTY = -1  # a free slot of a ``_Prices`` table (keys are >= 0)
-_jit = numba.njit(cache=True, nogil=True)
-_inline = numba.njit(cache=True, nogil=True, inline="always")
+_jit = jit.jit
+_inline = jit.inline
+# run as Python (``jit.compiled(False)``), numpy warns where the hash's products wrap, as
+# they do compiled: the wrap is the hash
+warnings.filterwarnings("ignore", "overflow encountered in scalar multiply", RuntimeWarning, __name__)
 
 
 class _Prices:
@@ -405,15 +405,13 @@ def clear_caches() -> None:
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the loops now, logging a first compile."""
-    start = time.perf_counter()
+    """Compile (or load from numba's cache) the loops now (``planner/warm_up.py``)."""
     moves = _Prices(capacity=2)
     moves.put(0, 0.0)
     moves.put(1, 0.0)  # grows the table: ``_rehash``
     one = np.ones(1, dtype=np.int64)
     cell = np.ones((1, 1), dtype=np.bool_)
-    _fill(np.empty((1, 1)), cell, 0, one * 0, one, cell, one, RADIX, RADIX, 0, 1, one,
+    # one pair, state 0 to 1: every digit of both must index the table of supported moves
+    supported = np.ones((RADIX, RADIX), dtype=np.bool_)
+    _fill(np.empty((1, 1)), cell, 0, one * 0, one, supported, one, RADIX, RADIX, 0, 1, one,
           moves.keys, moves.prices, moves.keys, moves.prices, *_work_buffers(1, 4))
-    seconds = time.perf_counter() - start
-    if seconds > 1.0:
-        LOG.info("compiled the redistribution search in %.1f s (cached for later runs)", seconds)

@@ -10,11 +10,12 @@ edge; numpy's pairwise sum for stacked layers), so every result keeps its bits.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
-_jit = numba.njit(cache=True, nogil=True)
-_inline = numba.njit(cache=True, nogil=True, inline="always")
+from torchtitan_autoparallel.planner import jit
+
+_jit = jit.jit
+_inline = jit.inline
 
 
 @_jit

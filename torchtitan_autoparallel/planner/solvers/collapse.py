@@ -40,15 +40,6 @@ class Collapsed:
     flat: FlatProblem
     reps: np.ndarray  # each group's first node in ``source``
     group_of: np.ndarray  # each node of ``source``'s group
-    # writable, ``flat``'s tables at its head and free room after them (``collapse``'s
-    # ``room``), until ``take_buffer`` hands it on
-    buffer: np.ndarray | None = None
-
-    def take_buffer(self) -> np.ndarray | None:
-        """The buffer, once: whoever takes it may write past the tables, so a second
-        taker (another presolve of the same collapse) must lay out its own."""
-        buffer, self.buffer = self.buffer, None
-        return buffer
 
     def node_name(self, group: int) -> str:
         return self.source.node_names[int(self.reps[group])]
@@ -71,12 +62,8 @@ def collapse_ties(problem: Problem) -> tuple[Problem, np.ndarray]:
     return collapsed.problem(), collapsed.group_of
 
 
-def collapse(problem: Problem, room: int = 0) -> Collapsed:
-    """``collapse_ties`` as flat arrays (module docstring). ``room``: leave that many
-    times the collapsed edges' table entries free after the tables, in one buffer
-    (``Collapsed.buffer``): the compiled presolve's arena, so that it need not copy
-    every table into one of its own (a fresh process faults on every page it first
-    touches, and those tables were the largest thing alive when the solve peaks)."""
+def collapse(problem: Problem) -> Collapsed:
+    """``collapse_ties`` as flat arrays (module docstring)."""
     flat = problem.arrays
     reps, group_of = _groups(problem)
     k = flat.k
@@ -85,8 +72,7 @@ def collapse(problem: Problem, room: int = 0) -> Collapsed:
     # memory: only holders; the zeros of the others would add nothing to any sum's bits
     holders = flat.memory_nodes
     memory = _group_rows(flat.memory, k[holders], group_of[holders], kg)
-    edges, buffer, shapes, table_of_edge = _group_edges(problem, group_of, kg, unary, room)
-    tables = buffer[: int(shapes.prod(axis=1).sum())]
+    edges, tables, shapes, table_of_edge = _group_edges(problem, group_of, kg, unary)
     kept = np.arange(unary.shape[1]) < kg[:, None]  # each group's strategies in its row
     has_memory = _present(group_of[holders], len(kg))
     arrays = ProblemArrays.packed(
@@ -94,7 +80,7 @@ def collapse(problem: Problem, room: int = 0) -> Collapsed:
         tables, shapes, table_of_edge,
     )
     flat_problem = FlatProblem(arrays, edges, problem.memory_budget, _group_pins(problem, group_of))
-    return Collapsed(problem, flat_problem, reps, group_of, buffer)
+    return Collapsed(problem, flat_problem, reps, group_of)
 
 
 def _groups(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
@@ -140,18 +126,16 @@ def _group_pins(problem: Problem, group_of: np.ndarray) -> dict[int, int]:
 
 
 def _no_edges() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``_group_edges``' answer without edges: fresh arrays, as its buffer may be
-    handed on to be written (``Collapsed.take_buffer``)."""
+    """``_group_edges``' answer without edges."""
     return np.zeros((0, 2), np.int64), np.zeros(0), np.zeros((0, 2), np.int64), np.zeros(0, np.int64)
 
 
 def _group_edges(
-    problem: Problem, group_of: np.ndarray, kg: np.ndarray, unary: np.ndarray, room: int
+    problem: Problem, group_of: np.ndarray, kg: np.ndarray, unary: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Edges between distinct groups, parallel ones summed; inner ones onto ``unary``.
-    Returns the edges, their distinct tables laid out one after another (then
-    ``room`` times every edge's table entries free), those tables' shapes, and which
-    one each edge has."""
+    Returns the edges, their distinct tables laid out one after another, those
+    tables' shapes, and which one each edge has."""
     if not len(problem.edges):
         return _no_edges()
     flat = problem.arrays
@@ -163,13 +147,12 @@ def _group_edges(
         unary[g, : kg[g]] += np.diag(problem.pairwise[e])
     if not len(ident):
         return _no_edges()
-    spare = room * int((kg[pairs[:, 0]] * kg[pairs[:, 1]]).sum())
-    tables, shapes, table_of_edge = _sum_parallel(flat, _Terms(ident), bounds, uniform, spare)
+    tables, shapes, table_of_edge = _sum_parallel(flat, _Terms(ident), bounds, uniform)
     return pairs, tables, shapes, table_of_edge
 
 
 def _sum_parallel(
-    flat: ProblemArrays, terms: _Terms, bounds: np.ndarray, uniform: np.ndarray, spare: int
+    flat: ProblemArrays, terms: _Terms, bounds: np.ndarray, uniform: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One table per slot (``bounds``: where each starts in ``terms``): the sum of its
     edges' (oriented) tables.
@@ -185,8 +168,8 @@ def _sum_parallel(
     layers share one table (``problem.share_tables``), so which one, and which way
     round (``terms.ident``), says which terms are equal without reading them; most
     slots repeat one (``uniform``), and the few others' sums go after theirs.
-    Returns the distinct sums laid out one after another (then ``spare`` entries
-    free), their shapes, and each slot's."""
+    Returns the distinct sums laid out one after another, their shapes, and each
+    slot's."""
     mixed: dict[bytes, int] = {}
     extra, mixed_of = [], []
     for slot in np.flatnonzero(~uniform).tolist():
@@ -198,8 +181,8 @@ def _sum_parallel(
             extra.append(sums.mixed_sum(flat.flat_tables, flat.table_at, flat.table_shapes, which, flip))
         mixed_of.append((slot, mixed[key]))
     mixed_entries = sum(t.size for t in extra)
-    packed, shapes, of_slot = _uniform_sums(flat, terms, bounds, uniform, mixed_entries + spare)
-    at = len(packed) - mixed_entries - spare
+    packed, shapes, of_slot = _uniform_sums(flat, terms, bounds, uniform, mixed_entries)
+    at = len(packed) - mixed_entries
     for t in extra:
         packed[at : at + t.size] = t.ravel()
         at += t.size

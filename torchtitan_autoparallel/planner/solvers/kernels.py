@@ -22,29 +22,19 @@ every array it passes (atomic updates), which on the small tables of 2-D
 meshes cost more than the arithmetic. Doing without them made the sweep about 40% faster and the
 presolve 10-30% faster, with the same bits.
 
-``cache=True`` writes the machine code next to this file (or to numba's user
-cache where that is read-only), so only the first run on a machine (and
-after an upgrade) pays the compile of these and the other compiled solver
-stages: about 90 s on 2 cores, logged as it starts; ``make setup`` does it
-(``python -m torchtitan_autoparallel.planner.warm_up``). numba compiles one
-version per argument type (read-only and transposed arrays are types of
-their own): ``warm_up`` makes every version a solve uses.
+They compile on first use and are cached on disk, or run as Python on small
+plans (``planner/jit.py``).
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-
-import numba
 import numpy as np
 
-LOG = logging.getLogger("torchtitan_autoparallel.planner")
-_jit = numba.njit(cache=True, nogil=True)
-_inline = numba.njit(cache=True, nogil=True, inline="always")
+from torchtitan_autoparallel.planner import jit
+
+_jit = jit.jit
+_inline = jit.inline
 SCAN_BLOCK = 32  # columns between early-exit checks of the exact dominance scan
-COMPILE_NOTICE_S = 3.0  # a warm-up still running after this is compiling: say so
 
 
 @_jit
@@ -423,72 +413,3 @@ def _block_energy(rest, order, parent, via, flat, graph, labels) -> float:
     for i in range(1, len(order)):
         shared += _entry(flat, graph, via[i], labels[parent[i]], labels[i])
     return own + shared
-
-
-def warm_up() -> None:
-    """Compile (or load from the cache) every kernel now, timing it, rather than
-    in the middle of the first solve."""
-    start = time.perf_counter()
-    notice = threading.Timer(COMPILE_NOTICE_S, LOG.info, (
-        "compiling the solver kernels, once per machine and version (about 90 s on 2 cores) ...",
-    ))
-    notice.daemon = True
-    notice.start()
-    try:
-        _compile_all()
-    finally:
-        notice.cancel()
-    seconds = time.perf_counter() - start
-    if seconds > COMPILE_NOTICE_S:  # loading the cache takes 0.5-1.5 s: not worth a line
-        LOG.info("compiled the solver kernels in %.1f s (cached for later runs)", seconds)
-
-
-def _compile_all() -> None:
-    table = np.zeros((2, 2))
-    frozen = np.zeros((2, 2))
-    frozen.flags.writeable = False  # shared tables are read-only: another signature
-    min_plus(table, table)
-    min_plus(table, frozen)
-    starts = np.array([0, 2])
-    dominated(np.zeros(2), table, starts, np.zeros(0))
-    scan(np.zeros(2), table, starts, 0.0, np.zeros(0), 0.0, 1.0)
-    for t in (table, table.T, frozen, frozen.T):
-        separable(t, 0.0)
-    one = np.zeros(1, np.int64)
-    picked_sum(np.zeros(1), one, one)
-    add_rows(np.zeros((1, 1)), np.zeros(1), one + 1, one)
-    graph = (np.zeros(2, np.int64), one[:0], one[:0], np.zeros(0, np.bool_), one[:0], one[:0])
-    tree_block(np.zeros((1, 1)), np.zeros((1, 1)), one, one + 1, np.zeros(0), graph, 0, 1, 0.0)
-    neighbour_costs(np.zeros((1, 1)), one[:1] * 0, one, np.zeros(0), graph)
-    _warm_up_solve()
-
-
-def _warm_up_solve() -> None:
-    """The compiled code outside this module (presolve, scoring, message passing, local
-    search) for the argument types a real solve passes: one tiny solve of every kind
-    it meets (ties, a pin, a budget that binds, a forbidden pair)."""
-    from torchtitan_autoparallel.planner.problem import Problem  # they import this module
-    from torchtitan_autoparallel.planner.solvers.approx import ApproxSolver
-
-    rng = np.random.default_rng(0)
-    k = [3, 2, 3, 2, 3]
-    edges = [(0, 1), (1, 2), (2, 3), (3, 4), (0, 2), (1, 3)]
-    tables = [rng.uniform(0, 10, (k[a], k[b])) for a, b in edges]
-    tables[0][0, 0] = np.inf
-    problem = Problem(
-        node_names=[f"n{v}" for v in range(5)],
-        strategy_labels=[[str(s) for s in range(kv)] for kv in k],
-        unary=[rng.uniform(0, 10, kv) for kv in k],
-        edges=np.array(edges),
-        pairwise=tables,
-        memory=[np.array([3.0, 2.0, 1.0]), None, np.array([3.0, 2.0, 1.0]), None, None],
-        memory_budget=4.0,
-        pins={4: 1},
-        ties=[[0, 2]],
-    )
-    level = LOG.level
-    LOG.setLevel(logging.WARNING)  # a run's log is no place for this solve's lines
-    try:
-        ApproxSolver(exact_fallback=False).solve(problem)
-    finally:
-        LOG.setLevel(level)

@@ -23,15 +23,15 @@ import time
 from collections import namedtuple
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
+from torchtitan_autoparallel.planner import jit
 from torchtitan_autoparallel.planner.solvers import kernels
 from torchtitan_autoparallel.planner.solvers.mrf import Mrf
 
 GAIN_RTOL = 1e-12  # a move must gain more than this (relative) to count
 SKIP_SETTLED = True  # star rounds skip centres whose answer cannot have changed
-_jit = numba.njit(cache=True, nogil=True)
+_jit = jit.jit
 
 # ``counts``: [moves]; ``sums``: [energy, memory]; ``missed[c]``: the move count when
 # the star at ``c`` last failed (-1: never), ``missed_slack[c]`` the slack then

@@ -17,15 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-import numba
 import numpy as np
 
-from torchtitan_autoparallel.planner import sums
+from torchtitan_autoparallel.planner import jit, sums
 from torchtitan_autoparallel.planner.problem import FlatProblem, Problem, ProblemArrays
 from torchtitan_autoparallel.planner.solvers import kernels
 
-_jit = numba.njit(cache=True, nogil=True)
-_inline = numba.njit(cache=True, nogil=True, inline="always")
+_jit = jit.jit
+_inline = jit.inline
 
 BUDGET_RTOL = 1e-9  # float slack on the budget: sums of the same bytes in another order
 BIG_FACTOR = 1e6  # ``big`` is this many times the largest feasible energy
@@ -206,9 +205,9 @@ def _compact(
     tables cut to the labels kept, ``inf`` replaced by ``big``. Returns the first node
     left without a label (-1: none) and the compact arrays.
 
-    The compiled presolve leaves its tables oriented and packed in edge order
-    already: those are read where they lie rather than copied first (one copy
-    fewer of every table, the largest thing alive at this point of a solve)."""
+    Tables already oriented and packed in edge order are read where they lie
+    rather than copied first (one copy fewer of every table, the largest thing
+    alive at this point of a solve)."""
     theta = unary.copy()
     if _in_order(k, ends, table_at, table_cols, table_of_edge, flat_tables.shape[0]):
         at = np.empty(ends.shape[0] + 1, dtype=np.int64)

@@ -25,8 +25,6 @@ import numpy as np
 from torchtitan_autoparallel.planner.problem import FlatProblem, InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
 from torchtitan_autoparallel.planner.solvers.collapse import collapse
-from torchtitan_autoparallel.planner.solvers import compiled_graph
-from torchtitan_autoparallel.planner.solvers.compiled_graph import CompiledGraph, reduce_compiled
 from torchtitan_autoparallel.planner.solvers.reduce import Graph
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
@@ -41,23 +39,14 @@ class Presolved:
     offset: float  # energy of everything eliminated, added to any reduced energy
     seconds: float
     _group_of: np.ndarray  # original node -> node of the tie-collapsed problem
-    _graph: Graph | CompiledGraph
+    _graph: Graph
     _survivors: np.ndarray  # reduced node -> node of the tie-collapsed problem
-    _reduced: Problem | None = None  # made when first read where the compiled pass left it flat
-
-    @property
-    def reduced(self) -> Problem:
-        """Tie-free and pin-free; its memory includes the eliminated nodes'."""
-        if self._reduced is None:
-            self._reduced, _ = self._graph.reduced_problem()
-        return self._reduced
+    reduced: Problem  # tie-free and pin-free; its memory includes the eliminated nodes'
 
     @property
     def reduced_flat(self) -> FlatProblem:
         """``reduced`` as flat arrays: what the approximate solver reads, without the
         names and labels a ``Problem`` carries."""
-        if self._reduced is None and isinstance(self._graph, CompiledGraph):
-            return self._graph.reduced_flat
         return self.reduced.flat_problem
 
     def expand(self, reduced_assignment: np.ndarray) -> np.ndarray:
@@ -118,17 +107,7 @@ def presolve(
     ``make_graph`` swaps in a ``Graph`` that protects more than the energy
     (``overlap_presolve``)."""
     start = time.perf_counter()
-    # room in the collapsed tables' buffer for the compiled pass to use it as its arena
-    collapsed = collapse(problem, compiled_graph.ROOM if make_graph is None else 0)
-    if make_graph is None:  # the same reductions compiled, where the problem's form allows
-        compiled = reduce_compiled(collapsed, prune_memory, dominance)
-        if compiled is not None:
-            compiled.check_fixed_memory()
-            seconds = time.perf_counter() - start
-            return Presolved(
-                problem, compiled.offset, seconds, collapsed.group_of, compiled,
-                compiled.survivors,
-            )
+    collapsed = collapse(problem)
     tie_free = collapsed.problem()
     graph = Graph(tie_free, prune_memory) if make_graph is None else make_graph(
         tie_free, collapsed.group_of, prune_memory

@@ -34,13 +34,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
+from torchtitan_autoparallel.planner import jit
 from torchtitan_autoparallel.planner.solvers.mrf import Mrf
 
-_jit = numba.njit(cache=True, nogil=True)
-_inline = numba.njit(cache=True, nogil=True, inline="always")
+_jit = jit.jit
+_inline = jit.inline
 
 OPTIMAL_RTOL = 1e-9  # energy within this of the bound: proven optimal
 GAP_RTOL = 1e-3  # default stop: the plan is proven within 0.1% of the optimum
