@@ -11,7 +11,7 @@ largest rank's peak. ``start`` is the largest rank's tensor memory at the
 step's start (parameters, gradients kept from the step before, optimizer
 state, buffers such as RoPE's table), the part the prediction calls state.
 
-    .venv/bin/python experiments/memory/run.py [--only llama3] [--steps 3]
+    .venv/bin/python experiments/memory/run.py [--only llama3] [--steps 3] [--ac none,full]
 
 Writes ``results.json`` (``{"rows": [{"case", "mesh_kind", "ranks", "ac",
 "predicted_peak_bytes", "measured_peak_bytes", ...}]}``) and ``results.md``
@@ -21,6 +21,7 @@ beside this file.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -101,13 +102,14 @@ def main() -> int:
     p.add_argument("--only", help="run the cases whose model is this (llama3 or qwen3)")
     p.add_argument("--steps", type=int, default=3, help="steps per run; the last one is measured")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--ac", default="none,full", help="activation_checkpoint.mode values to run, comma-separated")
     a = p.parse_args()
     rows = []
-    for model, ranks, kinds in CASES:
+    for (model, ranks, kinds), ac in itertools.product(CASES, a.ac.split(",")):
         if a.only and a.only != model:
             continue
         for kind in kinds:
-            row = run_case(model, ranks, kind, "none", a.steps, a.timeout)
+            row = run_case(model, ranks, kind, ac, a.steps, a.timeout)
             rows.append(row)
             print(json.dumps(row), flush=True)
             (HERE / "results.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
