@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     # with [rank<r>]: itself; tagging it again read [rank0]:[rank0] ...
     tag = "" if "TORCHELASTIC_RUN_ID" in os.environ else "[rank%(rank)s] "
     logging.basicConfig(level=logging.INFO, format=f"{tag}%(asctime)s %(message)s")
+    if not tag:
+        _untag_torch_logs()
     _tag_log_records_with_rank()
     # `kill -USR1 <rank pid>` prints where every thread of a rank is, even one stuck in
     # a collective or a lock: how to see why a job hangs without stopping it
@@ -202,6 +204,16 @@ def _restore(job: JobConfig, t: Training, state: TrainState, ckpt_folder) -> Non
         else:
             t.dataloader.load_state_dict(saved["data"])
         t.scheduler = preflight.resumed_scheduler(job, t.optimizer, saved, state.step)  # keep_lr_schedule
+
+
+def _untag_torch_logs() -> None:
+    """torch's own log lines (its warnings) start with [rank<r>]: once a process group
+    exists, after the tag torchrun gives every line already: keep their layout, less the tag."""
+    layout = logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(pathname)s:%(lineno)d] %(message)s")
+    for name, logger_ in logging.Logger.manager.loggerDict.items():  # torch gives several their own handler
+        if (name == "torch" or name.startswith("torch.")) and isinstance(logger_, logging.Logger):
+            for handler in logger_.handlers:
+                handler.setFormatter(layout)
 
 
 def _check_finite(job: JobConfig, step: int, loss: float, grad_norm: float, finite_at: int) -> None:
