@@ -452,6 +452,7 @@ def main() -> None:
                 row = CASES[name](saved, tmp)
             except Exception as e:  # a broken case is a row that did not pass, not a lost run
                 row = Row(name, None, f"the case itself failed: {type(e).__name__}: {e}", None, None, False)
+            row.last_line = re.sub(r"\x1b\[[0-9;]*m", "", row.last_line)  # torch's bold in a message
             print(f"         {'passed' if row.passed else 'NOT PASSED'}: {row.last_line[:200]}", flush=True)
             rows.append(row)
     args.out.mkdir(parents=True, exist_ok=True)
