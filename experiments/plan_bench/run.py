@@ -174,8 +174,13 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "Reproduce one row with the command listed under it in `results.json` (`command`), or all with",
         "`.venv/bin/python experiments/plan_bench/run.py`. `load` is the machine's 1-minute load average",
         "when the case started (2 cores: above 1, other work shared the CPU and the times are inflated).",
-        "`build` includes numba's one-off start-up in the process (about 0.3 s), as the compiled",
-        "redistribution search (`planner/pricer.py`) is the first compiled code a planning run loads.",
+        "On 1-D meshes the planner's loops run as Python (`planner/jit.py`); on 2-D and 3-D meshes",
+        "they run compiled, loaded from numba's cache (`build` includes about 0.3 s of that start-up).",
+        "",
+        "The exact presolve (`solvers/reduce.py`'s `Graph`: Python over compiled inner loops) takes",
+        "13-42 ms of these plans on the 2-D meshes (`experiments/solver_bench`): a plan's time is",
+        "tracing, building and the ILP, so compiling the presolve's whole reduction would not show here;",
+        "the 1-D rows plan in seconds without compiling anything, on a machine's first run too.",
         "",
     ]
     chosen = growth_table(results) + ["", "## What the planner chose, and why", "", NOTES, ""]
