@@ -253,6 +253,8 @@ def test_a_planted_metadata_pickle_runs_no_code(gloo_one, tmp_path: Path, manife
     else:
         assert message.startswith(f"checkpoint {tmp_path / 'step-2' / '.metadata'} is not DCP metadata "
                                   "(io.open is not part of DCP's metadata)"), message
+    # no older step to go back to: the message says to remove the planted one
+    assert message.endswith(f"or remove {tmp_path / 'step-2'} (no older checkpoint in {tmp_path} verifies)"), message
 
 
 def test_metadata_is_read_by_the_restricted_unpickler_as_dcp_reads_it(gloo_one, tmp_path: Path) -> None:
@@ -292,6 +294,7 @@ def test_a_step_that_disagrees_with_its_folder_is_one_line(tmp_path: Path, capsy
     path = _fake_step(tmp_path / "checkpoint", 10, json.dumps({"step": 15, "model_id": "llama3:debugmodel"}))
     err = _preflight(tmp_path, capsys)
     assert f"checkpoint {path / 'train_state.json'} says step 15, but its folder is step-10" in err, err
+    assert f"checkpoint.load_step = <an older step>, or remove {path}" in err, err
 
 
 def test_a_latest_step_without_train_state_is_not_passed_over(tmp_path: Path, capsys) -> None:

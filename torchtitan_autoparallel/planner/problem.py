@@ -352,6 +352,18 @@ class Problem:
     @classmethod
     def load(cls, path: str | Path) -> Problem:
         """The problem ``save`` wrote; ValueError for another format. Nothing is unpickled."""
+        try:
+            return cls._read(path)
+        except ValueError as e:
+            if "allow_pickle" not in str(e):
+                raise
+            raise ValueError(  # numpy's own words name no file and no way out
+                f"{path}: holds pickled objects, which are not loaded (unpickling can run code); "
+                f"accepted: a problem file written by Problem.save (--autoparallel.export_problem)"
+            ) from None
+
+    @classmethod
+    def _read(cls, path: str | Path) -> Problem:
         with np.load(path, allow_pickle=False) as f:
             version = int(f["format_version"])
             if version not in READABLE_VERSIONS:

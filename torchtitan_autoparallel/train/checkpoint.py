@@ -551,7 +551,12 @@ def _checked_metadata(path: Path, resumed_from: Path | None):
             f"warning: checkpoint {path} has no {files.MANIFEST} (saved before checkpoints were "
             f"checksummed): its files cannot be verified; loading it as it is"
         )
-    return files.read_metadata(path)
+    try:
+        return files.read_metadata(path)
+    except CheckpointError as e:  # planted or damaged, on every rank alike: say what to load instead
+        if resumed_from is None:
+            raise
+        raise CheckpointError(f"{e}, or {_instead(path, resumed_from)}") from None
 
 
 def _instead(path: Path, resumed_from: Path | None) -> str:

@@ -242,7 +242,8 @@ def read_state_file(path: Path) -> dict:
     if path.name.startswith("step-") and named.isdigit() and int(named) != state["step"]:
         raise CheckpointError(
             f"checkpoint {file} says step {state['step']}, but its folder is {path.name}; accepted: "
-            f"the train_state.json this step's save wrote (was it copied from another step?)"
+            f"the train_state.json this step's save wrote (was it copied from another step?), "
+            f"checkpoint.load_step = <an older step>, or remove {path}"
         )
     return state
 
