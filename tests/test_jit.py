@@ -94,8 +94,9 @@ def _slow(x: float) -> float:
 def test_a_first_call_that_takes_long_says_it_is_compiling(monkeypatch, caplog) -> None:
     """A cold cache compiles for minutes: the log says so while it runs, then how long."""
     monkeypatch.setattr(jit, "COMPILE_NOTICE_S", 0.05)
-    real = jit.CPUDispatcher.__call__
-    monkeypatch.setattr(jit.CPUDispatcher, "__call__", lambda self, *a: time.sleep(0.3) or real(self, *a))
+    monkeypatch.setitem(jit._state, "first_calls_s", 0.0)
+    # a compile that takes 0.3 s, without numba's own time on top
+    monkeypatch.setattr(jit.CPUDispatcher, "__call__", lambda self, *a: time.sleep(0.3) or self.py_func(*a))
     with caplog.at_level(logging.INFO, logger="torchtitan_autoparallel.planner"):
         assert _slow(1.0) == 2.0
         assert _slow(2.0) == 3.0  # later calls: no more lines
@@ -103,3 +104,28 @@ def test_a_first_call_that_takes_long_says_it_is_compiling(monkeypatch, caplog) 
     assert len(said) == 2, said
     assert said[0].startswith("compiling the planner's loops for test_jit._slow, once per machine")
     assert said[1].startswith("compiled the planner's loops for test_jit._slow in 0.")
+
+
+@jit.jit
+def _first(x: float) -> float:
+    return x + 1.0
+
+
+@jit.jit
+def _second(x: float) -> float:
+    return x + 2.0
+
+
+def test_short_first_calls_that_add_up_say_they_are_compiling(monkeypatch, caplog) -> None:
+    """A solve's many loops each compile in a few seconds: once their first calls
+    add up past the threshold, the next one says it is compiling."""
+    monkeypatch.setattr(jit, "COMPILE_NOTICE_S", 1.0)
+    monkeypatch.setitem(jit._state, "first_calls_s", 0.0)
+    monkeypatch.setattr(jit.CPUDispatcher, "__call__", lambda self, *a: time.sleep(0.6) or self.py_func(*a))
+    with caplog.at_level(logging.INFO, logger="torchtitan_autoparallel.planner"):
+        assert _first(1.0) == 2.0  # 0.6 s: under the threshold, not a word
+        assert not caplog.records
+        assert _second(1.0) == 3.0  # 1.2 s in all: said as it ran
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["compiling the planner's loops for test_jit._second, once per machine "
+                    "(numba caches them) ..."], said
