@@ -141,6 +141,15 @@ def test_unknown_comm_mode_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_a_traceback_is_shown_only_when_asked_for(tmp_path: Path) -> None:
+    quiet = run_launcher(["--job.dump_folder", str(tmp_path)], comm_mode="foo", timeout=180)
+    asked = run_launcher(["--job.dump_folder", str(tmp_path)], comm_mode="foo", timeout=180,
+                         env={"AUTOPARALLEL_TRACEBACK": "1"})
+    assert "Traceback" not in quiet.stderr and "Traceback" in asked.stderr, asked.stderr
+    assert quiet.stderr.strip().splitlines()[-1] == asked.stderr.strip().splitlines()[-1]
+    assert asked.returncode == quiet.returncode == 2
+
+
 def test_fake_backend_64_ranks_tensor_parallel(tmp_path: Path) -> None:
     run = run_launcher(
         ["--job.dump_folder", str(tmp_path / "out"), "--parallelism.tensor_parallel_degree", "8",

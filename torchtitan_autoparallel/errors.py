@@ -1,4 +1,16 @@
-"""User-facing errors: printed as one line by the launcher, never as a traceback."""
+"""User-facing errors: printed as one line by the launcher, with no traceback unless
+``AUTOPARALLEL_TRACEBACK=1`` asks for one (to see where a message came from)."""
+
+import os
+import traceback
+
+TRACEBACK_ENV = "AUTOPARALLEL_TRACEBACK"
+
+
+def print_traceback_if_asked() -> None:
+    """Inside an ``except``: print the error's traceback when ``AUTOPARALLEL_TRACEBACK=1``."""
+    if os.environ.get(TRACEBACK_ENV) == "1":
+        traceback.print_exc()
 
 
 class UserError(Exception):

@@ -40,7 +40,7 @@ from typing import NoReturn
 from torchtitan_autoparallel.compat import check_versions
 from torchtitan_autoparallel.config import load_config
 from torchtitan_autoparallel.config.help import help_for, wants_help
-from torchtitan_autoparallel.errors import ConfigError, UserError
+from torchtitan_autoparallel.errors import ConfigError, UserError, print_traceback_if_asked
 from torchtitan_autoparallel.train import failures
 from torchtitan_autoparallel.train.preflight import check, parse_comm_mode, parse_log_ranks, parse_ngpu
 
@@ -84,6 +84,7 @@ def main(argv: list[str]) -> int:
         if module == TRAIN_MODULE:
             check(load_config(module_args), ngpu, fake)
     except UserError as e:
+        print_traceback_if_asked()
         print(f"error: {e}", file=sys.stderr)
         return 2
     if FORK_SERVER in start and not fake:

@@ -29,7 +29,7 @@ from torchtitan_autoparallel.distributed.runtime import (
     shutdown,
     startup_timeout,
 )
-from torchtitan_autoparallel.errors import TrainingDiverged, UserError
+from torchtitan_autoparallel.errors import TrainingDiverged, UserError, print_traceback_if_asked
 from torchtitan_autoparallel.models.registry import build_model_config, get_entry
 from torchtitan_autoparallel.train import checkpoint, preflight
 from torchtitan_autoparallel.train.failures import (
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         job = load_config(argv)
         return run(job)
     except UserError as e:
+        print_traceback_if_asked()
         record_user_error(str(e))
         return USER_ERROR_EXIT
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: no traceback (the launcher says it)
