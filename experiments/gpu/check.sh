@@ -84,7 +84,7 @@ ours() {  # name seconds [VAR=value ...] -- run_train.sh args...: a run of ours,
 }
 
 QWEN=experiments/gpu/qwen3_1.7b.toml
-# The first stage pays numba's one-off compile of the planner's kernels (cached for the rest).
+# One GPU is a 1-D mesh: the planner runs its loops as Python, so no stage pays a compile.
 ours debug_auto 150 -- --model.name llama3_auto_parallel --training.steps "$DEBUG_STEPS"
 ours qwen_eager 120 CONFIG_FILE=$QWEN -- "${AC[@]}"
 # No GPU: the GPU job's plan, priced for an H100, on a fake process group (no training).
