@@ -116,8 +116,6 @@ def test_the_stalled_line_names_the_ranks_first() -> None:
 
 def test_a_timeout_with_every_rank_waiting_is_left_as_it_was(monkeypatch) -> None:
     # nothing points at one rank (all timed out): the error goes on unchanged
-    from torchtitan_autoparallel.distributed import runtime
-
-    monkeypatch.setattr(runtime, "ranks_that_never_arrived", lambda: [])
+    monkeypatch.setattr(failures, "ranks_that_never_arrived", lambda: [])
     assert failures.name_stalled_ranks(RuntimeError("Timed out waiting 3000ms")) is None
     assert failures.name_stalled_ranks(RuntimeError("boom")) is None

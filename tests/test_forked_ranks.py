@@ -201,7 +201,7 @@ def test_a_killed_launcher_takes_its_fork_server_and_ranks_down(tmp_path: Path, 
 def test_a_rank_whose_launcher_died_before_it_asked_to_follow_it_ends_at_once() -> None:
     # a new process learns the launcher's pid from its environment; a parent other than
     # that pid (the launcher died while the rank imported torch) ends it
-    code = ("import os\nfrom torchtitan_autoparallel.train.failures import LAUNCHER_PID_ENV\n"
+    code = ("import os\nfrom torchtitan_autoparallel.distributed.runtime import LAUNCHER_PID_ENV\n"
             "from torchtitan_autoparallel.distributed.runtime import end_with_launcher\n"
             "os.environ[LAUNCHER_PID_ENV] = {pid!r}\nend_with_launcher()\nprint('still running')\n")
     gone = subprocess.run([str(PYTHON), "-c", code.format(pid="1")], cwd=REPO, capture_output=True, text=True)

@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -24,6 +26,8 @@ from torchtitan_autoparallel.cpu_compat import one_gloo_worker_thread, point_tor
 FORKED_RANK_ENV = "TORCHTITAN_AUTOPARALLEL_FORKED_RANK"  # set in a rank forked by the launcher
 # where each rank whose collective timed out says so, in the job's store (``ranks_that_never_arrived``)
 TIMED_OUT_KEY = "autoparallel/collective_timed_out/"
+LAUNCHER_PID_ENV = "TORCHTITAN_AUTOPARALLEL_LAUNCHER_PID"  # the launcher's pid, for its ranks
+PR_SET_PDEATHSIG = 1  # prctl(2)
 ARRIVAL_GRACE_S = 10.0  # how long such a rank waits for the others to say the same
 
 
@@ -89,13 +93,29 @@ def end_with_launcher() -> None:
     instead (``forked_rank.py``). The variable is removed so that the rank's own
     children (Inductor's compile workers) do not read it as theirs.
     """
-    from torchtitan_autoparallel.train.failures import LAUNCHER_PID_ENV
-
     launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
     if launcher.isdigit() and not os.environ.get(FORKED_RANK_ENV):
-        from torchtitan_autoparallel.train.launch import die_with_parent
-
         die_with_parent(parent=int(launcher))
+
+
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
+    """Have the kernel send ``sig`` to this process when its parent ends (Linux).
+
+    A launcher killed with SIGKILL runs no handler, so without this its fork server
+    and every rank forked from it would finish their steps and then wait forever on
+    collectives, holding their memory. The signal follows the parent's death, in
+    a chain: launcher, then the fork server, then the ranks it forked. A rank
+    started as a new process (``end_with_launcher``) has the launcher as
+    its parent, and calls this once imported: ``parent`` is the launcher's pid,
+    so that a launcher that died before that is noticed too.
+    """
+    expected = os.getppid() if parent is None else parent
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(sig))
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != expected:  # the parent ended before the request took effect
+        os.kill(os.getpid(), sig)
 
 
 def startup_timeout(init_timeout_s: float, solver_time_limit_s: float) -> timedelta:

@@ -27,6 +27,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from torchtitan_autoparallel.distributed.runtime import ranks_that_never_arrived
+
 if TYPE_CHECKING:  # torch's elastic package is imported only where a job runs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -34,7 +36,6 @@ NO_RECORD = "<NONE>"  # torchrun's message where a rank wrote no error file
 USER_ERROR_EXIT = 2  # a rank's status for bad input (``main.py``), as the preflight's
 INTERRUPTED_EXIT = 128 + 2  # the shell's status for a job stopped by Ctrl-C (SIGINT)
 LAUNCHER_ENV = "TORCHTITAN_AUTOPARALLEL_LAUNCHER"  # set by ``launch.py`` for its ranks
-LAUNCHER_PID_ENV = "TORCHTITAN_AUTOPARALLEL_LAUNCHER_PID"  # the launcher's pid, for its ranks
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
 _TIMED_OUT = "timed out"  # gloo's and NCCL's words for a collective past its timeout
 TIMEOUT_HINT = (
@@ -85,8 +86,6 @@ def name_stalled_ranks(error: BaseException) -> int | None:
     points at one rank: the error goes on as it is)."""
     if _TIMED_OUT not in str(error).lower():
         return None
-    from torchtitan_autoparallel.distributed.runtime import ranks_that_never_arrived
-
     missing = ranks_that_never_arrived()
     if not missing:
         return None

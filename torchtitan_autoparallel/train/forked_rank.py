@@ -33,8 +33,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from torchtitan_autoparallel.distributed.runtime import FORKED_RANK_ENV
-from torchtitan_autoparallel.train.launch import die_with_parent, name_process, run_as_main
+from torchtitan_autoparallel.distributed.runtime import FORKED_RANK_ENV, die_with_parent
+from torchtitan_autoparallel.train.launch import name_process, run_as_main
 
 
 def _fresh_process_state() -> None:

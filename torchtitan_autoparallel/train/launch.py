@@ -40,6 +40,7 @@ from typing import NoReturn
 from torchtitan_autoparallel.compat import check_versions
 from torchtitan_autoparallel.config import load_config
 from torchtitan_autoparallel.config.help import help_for, wants_help
+from torchtitan_autoparallel.distributed.runtime import LAUNCHER_PID_ENV, die_with_parent
 from torchtitan_autoparallel.errors import ConfigError, UserError, print_traceback_if_asked
 from torchtitan_autoparallel.train import failures
 from torchtitan_autoparallel.train.preflight import check, parse_comm_mode, parse_log_ranks, parse_ngpu
@@ -52,7 +53,6 @@ FORK_SERVER = "forkserver"  # the start method of forked CPU ranks
 SERVER_NAME = "tap-forkserver"  # the fork server's process name (``pgrep -x``)
 LOOPBACK, LOOPBACK_INTERFACE = "127.0.0.1", "lo"  # where a single-node job's sockets listen
 PR_SET_NAME = 15  # prctl(2)
-PR_SET_PDEATHSIG = 1
 # What the fork server imports for the ranks: the trainer and what the preflight check
 # imports inside its functions (``preflight.check``). A server forked after the check has
 # most of it already; one that is not (another module's job, or Python's own server)
@@ -181,26 +181,6 @@ def run_as_main(module: str) -> None:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
-def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
-    """Have the kernel send ``sig`` to this process when its parent ends (Linux).
-
-    A launcher killed with SIGKILL runs no handler, so without this its fork server
-    and every rank forked from it would finish their steps and then wait forever on
-    collectives, holding their memory. The signal follows the parent's death, in
-    a chain: launcher, then the fork server, then the ranks it forked. A rank
-    started as a new process (``runtime.end_with_launcher``) has the launcher as
-    its parent, and calls this once imported: ``parent`` is the launcher's pid,
-    so that a launcher that died before that is noticed too.
-    """
-    expected = os.getppid() if parent is None else parent
-    try:
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(sig))
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != expected:  # the parent ended before the request took effect
-        os.kill(os.getpid(), sig)
-
-
 def name_process(name: str) -> None:
     """Show ``name`` for this process in ps and pgrep (a forked one's command line stays the launcher's)."""
     try:
@@ -282,7 +262,7 @@ def _torchrun(args: list[str]) -> int:
 
     os.environ[failures.LAUNCHER_ENV] = "1"
     # a rank started as a new process ends with this one (``runtime.end_with_launcher``)
-    os.environ[failures.LAUNCHER_PID_ENV] = str(os.getpid())
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     # its "closing signal SIGTERM" and "failed (exitcode: ...)" lines: the report says it
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.CRITICAL)  # the same, for forked ranks
