@@ -306,3 +306,29 @@ def check_records(records: list[dict], steps: int) -> None:
         for key in ("loss", "grad_norm", "tps", "tflops", "mfu", "memory_gib"):
             assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r)
         assert r["tps"] > 0 and r["memory_gib"] > 0
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid``, from /proc (children of children included)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def flip_byte(file: Path, at: int) -> None:
+    """Invert the byte at offset ``at`` of ``file`` in place (a damaged checkpoint file)."""
+    with open(file, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))

@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import nn
 
-from _run import LLAMA3_CONFIG, run_launcher
+from _run import LLAMA3_CONFIG, flip_byte, run_launcher
 from torchtitan_autoparallel.config import load_config
 from torchtitan_autoparallel.train import checkpoint, preflight
 
@@ -173,14 +173,6 @@ def test_preflight_refuses_a_disk_without_room_for_one_checkpoint(tmp_path: Path
 # ---------------------------------------------------------------- 3. checksums
 
 
-def _flip_byte(file: Path, at: int) -> None:
-    with open(file, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 @pytest.mark.parametrize("damage,why", [
     ("flip", "__0_0.distcp does not match its sha256 checksum in checksums.json"),
     ("truncate", "__0_0.distcp is truncated"),
@@ -192,10 +184,10 @@ def test_a_damaged_checkpoint_names_the_file_and_the_last_that_verifies(
 ) -> None:
     for step in (2, 4, 6):
         _save(tmp_path, step)
-    _flip_byte(tmp_path / "step-4" / "__0_0.distcp", 5000)  # an older one damaged too: not offered
+    flip_byte(tmp_path / "step-4" / "__0_0.distcp", 5000)  # an older one damaged too: not offered
     shard = tmp_path / "step-6" / "__0_0.distcp"
     if damage == "flip":
-        _flip_byte(shard, shard.stat().st_size // 2)  # in a tensor's bytes: DCP would load it silently
+        flip_byte(shard, shard.stat().st_size // 2)  # in a tensor's bytes: DCP would load it silently
     elif damage == "truncate":
         shard.write_bytes(shard.read_bytes()[:-100])
     elif damage == "remove":
@@ -328,7 +320,7 @@ def test_divergence_names_the_last_verified_checkpoint_saved_before_the_loss_wen
     folder = checkpoint.job_folder(job)
     for step in (2, 4, 6, 8):
         _save(folder, step)
-    _flip_byte(folder / "step-4" / "__0_0.distcp", 3000)
+    flip_byte(folder / "step-4" / "__0_0.distcp", 3000)
     # last finite loss logged at step 6, not finite at 8: step-6's and step-8's weights made bad losses
     with pytest.raises(TrainingDiverged) as info:
         _check_finite(job, 8, math.nan, 1.0, finite_at=6)
@@ -406,7 +398,7 @@ def test_ranks_refuse_a_damaged_or_planted_checkpoint_in_one_line(saved: Path, t
     step4 = dump / "checkpoint" / "step-4"
     marker = tmp_path / "planted-code-ran"
     if damage == "flip":
-        _flip_byte(step4 / "__1_0.distcp", (step4 / "__1_0.distcp").stat().st_size // 2)
+        flip_byte(step4 / "__1_0.distcp", (step4 / "__1_0.distcp").stat().st_size // 2)
     else:  # no manifest to catch it: the restricted unpickler must
         (step4 / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
         (step4 / "checksums.json").unlink()

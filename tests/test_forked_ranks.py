@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _run import LAUNCHER, PYTHON, REPO, launch_test_module
+from _run import LAUNCHER, PYTHON, REPO, descendants, launch_test_module
 
 from torchtitan_autoparallel.train import launch
 from torchtitan_autoparallel.train.failures import LAUNCHER_ENV
@@ -140,23 +140,6 @@ def test_a_forked_rank_starts_as_a_new_process_would(tmp_path: Path, fork: str) 
         assert (tmp_path / f"exit_hook{rank}").exists() == (fork == "1")
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process below ``pid``, from /proc (children of children included)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # ended meanwhile
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -181,7 +164,7 @@ def test_a_killed_launcher_takes_its_fork_server_and_ranks_down(tmp_path: Path, 
         for line in proc.stdout:  # training has started on every rank once rank 0 logs a step
             if "step:  2" in line:
                 break
-        below = _descendants(proc.pid)
+        below = descendants(proc.pid)
         assert len(below) >= (3 if fork == "1" else 2), below  # two ranks (and the fork server)
         proc.kill()  # SIGKILL: the launcher runs no handler
         proc.wait(timeout=30)
