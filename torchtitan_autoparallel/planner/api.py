@@ -61,13 +61,13 @@ def plan_training_step(model: nn.Module, mesh: DeviceMesh, **kwargs) -> Plan:
 
 
 def _loops_for_mesh(plan: Callable[..., PlannedStages]) -> Callable[..., PlannedStages]:
-    """Run the planner's loops as Python on a 1-D mesh and compiled on larger ones
+    """Run the planner's loops as Python on a mesh with one dim over 1 and compiled on larger ones
     (``jit.py``): a 1-D problem has a few strategies per node, which Python plans in
     seconds, less than compiling the loops takes on a machine's first run (minutes)."""
 
     @functools.wraps(plan)
     def run(model: nn.Module, mesh: DeviceMesh, **kwargs) -> PlannedStages:
-        with jit.compiled(mesh.ndim > 1):
+        with jit.compiled(sum(size > 1 for size in mesh.mesh.shape) > 1):  # dims of size 1 add no strategies
             return plan(model, mesh, **kwargs)
 
     return run
