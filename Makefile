@@ -42,7 +42,7 @@ suite: $(STAMP) $(CHROMIUM)
 smoke: $(SMOKE_STAMP)
 	$(SMOKE_VENV)/bin/python $(PYTEST) tests/test_compat.py tests/test_smoke.py
 
-# tests/test_report.py renders plan.html in Debian's headless Chromium (~1.5 min to install).
+# tests/report/test_report.py renders plan.html in Debian's headless Chromium (~1.5 min to install).
 $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium

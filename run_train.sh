@@ -26,7 +26,7 @@ COMM_MODE=${COMM_MODE:-}
 if [ -n "${CALIBRATE:-}" ]; then
   entry=(-m torchtitan_autoparallel.calibrate)
 else
-  entry=(-m torchtitan_autoparallel.train.main --job.config_file "$CONFIG_FILE")
+  entry=(-m torchtitan_autoparallel.launch.main --job.config_file "$CONFIG_FILE")
 fi
 
 NNODES=${NNODES:-1}
@@ -40,6 +40,6 @@ fi
 # One process counts the GPUs (NGPU defaults to them, or 4 CPU ranks), checks the job
 # once before any rank starts (bad input gives one line), and runs torchrun's main.
 export COMM_MODE
-exec "$PYTHON" -m torchtitan_autoparallel.train.launch --ngpu "${NGPU:-auto}" "${rdzv[@]}" \
+exec "$PYTHON" -m torchtitan_autoparallel.launch.launch --ngpu "${NGPU:-auto}" "${rdzv[@]}" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 -- \
   "${entry[@]}" "$@"

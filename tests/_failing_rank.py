@@ -1,6 +1,6 @@
 """A stand-in for the training module in the launcher tests: rank 1 fails as told.
 
-    python -m torchtitan_autoparallel.train.launch --ngpu 2 ... -- -m _failing_rank crash|user|kill
+    python -m torchtitan_autoparallel.launch.launch --ngpu 2 ... -- -m _failing_rank crash|user|kill
 
 Every other rank waits until the agent stops it, as ranks blocked in a
 collective would be. ``kill``: rank 1 dies of SIGKILL (as by the out-of-memory

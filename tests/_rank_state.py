@@ -1,7 +1,7 @@
 """A stand-in for the training module: each rank writes down the process state it
 started in, then leaves by ``runtime.exit_process`` as the trainer does.
 
-    python -m torchtitan_autoparallel.train.launch --ngpu 2 ... -- -m _rank_state OUT_FOLDER
+    python -m torchtitan_autoparallel.launch.launch --ngpu 2 ... -- -m _rank_state OUT_FOLDER
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from _run import process_name  # tests/ is on the ranks' path
 
-from torchtitan_autoparallel.distributed.runtime import FORKED_RANK_ENV, exit_process
+from torchtitan_autoparallel.mesh.runtime import FORKED_RANK_ENV, exit_process
 
 
 def main(out: Path) -> None:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan_autoparallel.train.launch import SERVER_NAME
+from torchtitan_autoparallel.launch.launch import SERVER_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -115,7 +115,7 @@ def finish(proc: subprocess.Popen, timeout: float, logs: Path) -> tuple[int, str
 def stop_hung(proc: subprocess.Popen) -> tuple[str, str]:
     """Stop a launch that ran past its timeout, keeping what it says about why.
 
-    Each rank first prints its Python stacks (SIGUSR1, ``train/main.py``), then the
+    Each rank first prints its Python stacks (SIGUSR1, ``launch/main.py``), then the
     launcher is asked to stop (SIGTERM), so that torchrun stops the ranks itself and
     the launcher's ``stopped:`` line says so. Whatever still runs a minute later is
     killed.
@@ -223,7 +223,7 @@ def module_launch(
     replaces the whole environment when given."""
     base = dict(os.environ if env is None else env)
     base["PYTHONPATH"] = f"{TESTS}{os.pathsep}{base.get('PYTHONPATH', '')}"
-    cmd = [str(PYTHON), "-m", "torchtitan_autoparallel.train.launch", "--ngpu", "2", "--standalone",
+    cmd = [str(PYTHON), "-m", "torchtitan_autoparallel.launch.launch", "--ngpu", "2", "--standalone",
            "--local-ranks-filter", log_rank, "--role", "rank", "--tee", "3", "--", "-m", module, *args]
     return cmd, base
 

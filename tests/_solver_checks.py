@@ -2,7 +2,7 @@
 
 import pytest
 
-from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
 
 
 def check_outcome(oracle, got, problem: Problem) -> None:

@@ -1,6 +1,6 @@
 """The trainer with one rank held up, for the collective-timeout tests.
 
-    python -m torchtitan_autoparallel.train.launch --ngpu 2 ... -- -m _stalling_rank WHERE SECONDS JOB_ARGS...
+    python -m torchtitan_autoparallel.launch.launch --ngpu 2 ... -- -m _stalling_rank WHERE SECONDS JOB_ARGS...
 
 ``solve``: rank 0's solve takes SECONDS longer, while the other ranks wait for its plan.
 ``step``: rank 1 starts its second step SECONDS late, while rank 0 waits in a collective.
@@ -14,9 +14,9 @@ import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from torchtitan_autoparallel.distributed.runtime import exit_process
 from torchtitan_autoparallel.execute import agree
-from torchtitan_autoparallel.train import main as train_main
+from torchtitan_autoparallel.launch import main as train_main
+from torchtitan_autoparallel.mesh.runtime import exit_process
 from torchtitan_autoparallel.train.auto import AutoTraining
 
 

@@ -1,7 +1,7 @@
 """A stand-in for the training module: each rank starts its process group, says so,
 then waits until told to end (a file), so that a test can look at a running job.
 
-    python -m torchtitan_autoparallel.train.launch --ngpu 2 ... -- -m _waiting_rank FOLDER
+    python -m torchtitan_autoparallel.launch.launch --ngpu 2 ... -- -m _waiting_rank FOLDER
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchtitan_autoparallel.distributed.runtime import exit_process, init_runtime, shutdown
+from torchtitan_autoparallel.mesh.runtime import exit_process, init_runtime, shutdown
 
 
 def main(folder: Path) -> int:

@@ -11,15 +11,15 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
 from _run import REPO
-from torchtitan_autoparallel import compat
-from torchtitan_autoparallel.compat import VersionError
-from torchtitan_autoparallel.models.registry import build_meta_model, build_model_config
-from torchtitan_autoparallel.planner.rules import nll_loss_backward_rule, nll_loss_forward_rule
 from torch.distributed.tensor._dtensor_spec import TensorMeta
 from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from torchtitan_autoparallel import compat
+from torchtitan_autoparallel.compat import VersionError
+from torchtitan_autoparallel.models.registry import build_meta_model, build_model_config
+from torchtitan_autoparallel.planner.strategies.rules import nll_loss_backward_rule, nll_loss_forward_rule
 
 aten = torch.ops.aten
 

@@ -242,7 +242,7 @@ def planted_problem(saved: Path, tmp: Path) -> Row:
     marker = tmp / "problem-code-ran"
     path = tmp / "planted_problem.npz"
     np.savez(path, format_version=np.array(3), num_strategies=np.array([Planted(marker)], dtype=object))
-    code = f"from torchtitan_autoparallel.planner.problem import Problem\nProblem.load({str(path)!r})\n"
+    code = f"from torchtitan_autoparallel.planner.problem.problem import Problem\nProblem.load({str(path)!r})\n"
     start = time.perf_counter()
     done = subprocess.run([str(PYTHON), "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     outcome = Outcome(done.returncode, done.stdout, done.stderr, time.perf_counter() - start)

@@ -39,7 +39,7 @@ GPU_MODE=$(command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1 &
   [ "$GPU_MODE" = 1 ] && nvidia-smi -L
   "$PY" -c "import torch, sys; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
   "$PY" -m pip list 2>/dev/null | grep -Ei '^(torch|torchtitan|numpy|numba|datasets|tensorboard|tokenizers) '
-  "$PY" -c "import torchtitan.train, torchtitan_autoparallel.train.main; print('imports: ok')"
+  "$PY" -c "import torchtitan.train, torchtitan_autoparallel.launch.main; print('imports: ok')"
 } > "$OUT/env.txt" 2>&1
 
 AC=()

@@ -17,10 +17,10 @@ import json
 import statistics
 
 import torch
-
 from matmul_precision import mm_us  # beside this script
-from torchtitan_autoparallel.planner.cost_model import compute_time_us
-from torchtitan_autoparallel.planner.profiles import default_profile_name, load_profile
+
+from torchtitan_autoparallel.planner.cost.cost_model import compute_time_us
+from torchtitan_autoparallel.planner.cost.profiles import default_profile_name, load_profile
 
 TOKENS = 8192
 MODELS = {"8B": (4096, 14336, 1024), "70B": (8192, 28672, 1024)}  # dim, ffn hidden, kv dim

@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan_autoparallel.planner.profiles import BUILTIN_PROFILES, TF32, default_profile_name
+from torchtitan_autoparallel.planner.cost.profiles import BUILTIN_PROFILES, TF32, default_profile_name
 
 HERE = Path(__file__).resolve().parent
 

@@ -29,7 +29,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from torchtitan_autoparallel.planner.plan import Plan
+from torchtitan_autoparallel.planner.plan.plan import Plan
 from torchtitan_autoparallel.report.common import GIB, predicted_peak_bytes, predicted_step_us
 
 WARMUP = 2

@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 
-from torchtitan_autoparallel.planner.plan import Plan  # noqa: E402
+from torchtitan_autoparallel.planner.plan.plan import Plan  # noqa: E402
 from torchtitan_autoparallel.report.common import predicted_peak_bytes, state_bytes  # noqa: E402
 
 MIB = 2**20

@@ -30,7 +30,6 @@ sys.path.insert(0, str(HERE.parent))
 from bench_args import add_case_args, pick_cases, rewrite_report  # noqa: E402  (experiments/)
 
 
-
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -62,9 +61,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtitan_autoparallel.models.registry import build_meta_model
-from torchtitan_autoparallel.planner.api import plan_training_step
+from torchtitan_autoparallel.planner.plan.api import plan_training_step
 # fp32 matmuls at TF32 rates, as when the committed tables were measured (docs/cost_model.md)
-from torchtitan_autoparallel.planner.profiles import for_matmul_precision, load_profile
+from torchtitan_autoparallel.planner.cost.profiles import for_matmul_precision, load_profile
 c, solver, limit = json.loads(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 world = 1
 for s in c["mesh_sizes"]:

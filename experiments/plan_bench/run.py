@@ -27,7 +27,6 @@ sys.path.insert(0, str(HERE.parent))
 from bench_args import add_case_args, pick_cases, previous_rows, rewrite_report, save_rows  # noqa: E402  (experiments/)
 
 
-
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -105,9 +104,9 @@ import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtitan_autoparallel.models.registry import build_meta_model
-from torchtitan_autoparallel.planner.api import plan_training_step
+from torchtitan_autoparallel.planner.plan.api import plan_training_step
 # fp32 matmuls at TF32 rates, as when the committed tables were measured (docs/cost_model.md)
-from torchtitan_autoparallel.planner.profiles import for_matmul_precision, load_profile
+from torchtitan_autoparallel.planner.cost.profiles import for_matmul_precision, load_profile
 c = json.loads(sys.argv[1])
 world = 1
 for s in c["mesh_sizes"]:
@@ -174,7 +173,7 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "Reproduce one row with the command listed under it in `results.json` (`command`), or all with",
         "`.venv/bin/python experiments/plan_bench/run.py`. `load` is the machine's 1-minute load average",
         "when the case started (2 cores: above 1, other work shared the CPU and the times are inflated).",
-        "On 1-D meshes the planner's loops run as Python (`planner/jit.py`); on 2-D and 3-D meshes",
+        "On 1-D meshes the planner's loops run as Python (`jit.py`); on 2-D and 3-D meshes",
         "they run compiled, loaded from numba's cache (`build` includes about 0.3 s of that start-up).",
         "",
         "The exact presolve (`solvers/reduce.py`'s `Graph`: Python over compiled inner loops) takes",

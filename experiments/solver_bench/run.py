@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import READABLE_VERSIONS
+from torchtitan_autoparallel.planner.problem.problem import READABLE_VERSIONS
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -104,9 +104,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtitan_autoparallel.models.registry import build_meta_model
-from torchtitan_autoparallel.planner.api import plan_stages
+from torchtitan_autoparallel.planner.plan.api import plan_stages
 # fp32 matmuls at TF32 rates, as when the committed tables were measured (docs/cost_model.md)
-from torchtitan_autoparallel.planner.profiles import for_matmul_precision, load_profile
+from torchtitan_autoparallel.planner.cost.profiles import for_matmul_precision, load_profile
 c = json.loads(sys.argv[1])
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=c["world"])
 mesh = init_device_mesh("cpu", tuple(c["sizes"]), mesh_dim_names=tuple(c["names"]))
@@ -121,7 +121,7 @@ print("RESULT " + json.dumps({k: t.get(k) for k in ("trace", "strategies", "buil
 # Child: one solver on one saved problem; prints its outcome as JSON.
 _SOLVE = r"""
 import gc, json, math, sys, time
-from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner import warm_up
 from torchtitan_autoparallel.planner.solvers import get_solver, presolve
 from torchtitan_autoparallel.planner.solvers.auto import pairwise_entries

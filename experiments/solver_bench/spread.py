@@ -83,7 +83,7 @@ def collapsed_copy(path: Path) -> Path:
     whenever the problem is newer than the copy)."""
     out = path.with_name(path.stem + "-collapsed.npz")
     if not out.exists() or out.stat().st_mtime < path.stat().st_mtime:
-        from torchtitan_autoparallel.planner.problem import Problem
+        from torchtitan_autoparallel.planner.problem.problem import Problem
         from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
 
         collapse_ties(Problem.load(path))[0].save(out)

@@ -32,8 +32,8 @@ sys.path.insert(0, str(HERE))
 
 from run import LOOSE, case_name, pick  # noqa: E402  (this folder's benchmark)
 
-from torchtitan_autoparallel.planner.problem import Problem  # noqa: E402
 from torchtitan_autoparallel.planner import warm_up  # noqa: E402
+from torchtitan_autoparallel.planner.problem.problem import Problem  # noqa: E402
 from torchtitan_autoparallel.planner.solvers import presolve  # noqa: E402
 from torchtitan_autoparallel.planner.solvers.approx import search  # noqa: E402
 from torchtitan_autoparallel.planner.solvers.collapse import collapse  # noqa: E402

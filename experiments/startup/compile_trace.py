@@ -113,9 +113,9 @@ def write(runs: list[dict], repeats: int) -> None:
         "| case | arm | median s | each s | recorded graph nodes | live nodes |\n|---|---|---:|---|---|---|\n"
         + "\n".join(rows) + "\n\n"
         "Recorded minus live nodes are dead ones (read by nothing), and every step ran them. The live nodes "
-        "are the same, node for node: `tests/test_overlap_execution.py::"
+        "are the same, node for node: `tests/execute/test_overlap_execution.py::"
         "test_compiling_reuses_dtensors_sharding_cache_and_records_the_same_graph` (fsdp) and "
-        "`tests/test_strided.py::test_compiling_a_strided_plan_records_no_sharding_bookkeeping` (strided).\n"
+        "`tests/planner/test_strided.py::test_compiling_a_strided_plan_records_no_sharding_bookkeeping` (strided).\n"
     )
 
 

@@ -42,7 +42,7 @@ class Case:
 
 
 CASES = [
-    # Local batch 3 does not split over tp=2: the case strided shards are for (tests/test_strided.py).
+    # Local batch 3 does not split over tp=2: the case strided shards are for (tests/planner/test_strided.py).
     Case("llama3-debug 2x2 batch 3x2 seq 512 cpu_gloo", "debugmodel", None, (2, 2), 3, 512, "cpu_gloo"),
     Case("llama3-debug 8x8 batch 1x8 seq 256 h100", "debugmodel", None, (8, 8), 1, 256, "h100"),
     Case("llama3-8B 2 layers 8x8 batch 1x8 seq 2048 h100", "8B", 2, (8, 8), 1, 2048, "h100"),
@@ -57,10 +57,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtitan_autoparallel.execute.placements import chosen_strategies
 from torchtitan_autoparallel.models.registry import build_meta_model
-from torchtitan_autoparallel.planner.api import plan_stages
+from torchtitan_autoparallel.planner.plan.api import plan_stages
 # fp32 matmuls at TF32 rates, as when the committed tables were measured (docs/cost_model.md)
-from torchtitan_autoparallel.planner.profiles import for_matmul_precision, load_profile
-from torchtitan_autoparallel.planner.strided import has_strided
+from torchtitan_autoparallel.planner.cost.profiles import for_matmul_precision, load_profile
+from torchtitan_autoparallel.planner.strategies.strided import has_strided
 from torch.distributed.tensor.placement_types import _StridedShard
 c = json.loads(sys.argv[1])
 world = 1
@@ -153,7 +153,7 @@ On LLaMA3-8B (seq 2048, 8x8, one sample per dp rank) the solver does choose
 strided shards, in every block (split factor 8, 24 nodes a block): the
 objective falls 2.5% at 2 layers and 5.0% at all 32, for about 0.5 s more
 planning (the problem has 10% more strategies). The strided plan's numerics
-are checked on 4 CPU ranks in `tests/test_strided.py` (1-rank loss parity
+are checked on 4 CPU ranks in `tests/planner/test_strided.py` (1-rank loss parity
 through the launcher)."""
 
 

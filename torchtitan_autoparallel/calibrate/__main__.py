@@ -19,7 +19,13 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from torchtitan_autoparallel.calibrate import measure, measure_step
+from torchtitan_autoparallel.calibrate.fit import FitError, build_profile, fit_compute, fit_link, fit_step, kept_from_base
+from torchtitan_autoparallel.calibrate.measure import KIB, check_mesh_shape, default_settings, intra_node_dims, note
 from torchtitan_autoparallel.errors import UserError
+from torchtitan_autoparallel.mesh.runtime import exit_process, init_runtime, shutdown
+from torchtitan_autoparallel.planner.cost.profiles import default_profile_name, load_profile
+from torchtitan_autoparallel.train.failures import USER_ERROR_EXIT, record_user_error
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,7 +57,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace, device_type: str):
-    from torchtitan_autoparallel.calibrate.measure import KIB, default_settings
 
     s = default_settings(device_type)
     if args.repeats is not None and args.repeats < 1:
@@ -66,7 +71,6 @@ def _settings(args: argparse.Namespace, device_type: str):
 
 
 def _mesh_shape(text: str, world: int, local: int) -> tuple[int, ...]:
-    from torchtitan_autoparallel.calibrate.measure import check_mesh_shape
 
     if text:
         try:
@@ -82,7 +86,6 @@ def _mesh_shape(text: str, world: int, local: int) -> tuple[int, ...]:
 def _base_profile(name: str, device_type: str):
     import torch
 
-    from torchtitan_autoparallel.planner.profiles import default_profile_name, load_profile
 
     try:
         gpu = torch.cuda.get_device_name() if device_type == "cuda" else ""
@@ -95,7 +98,6 @@ def calibrate(args: argparse.Namespace, runtime) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchtitan_autoparallel.calibrate import measure, measure_step
 
     settings = _settings(args, runtime.device_type)
     step_settings = measure_step.default_step_settings()
@@ -140,8 +142,6 @@ class Measured:
 
 
 def _fit_and_save(args, base, m: Measured, shape, devices_per_node) -> None:
-    from torchtitan_autoparallel.calibrate.fit import build_profile, fit_compute, fit_link, fit_step, kept_from_base
-    from torchtitan_autoparallel.calibrate.measure import intra_node_dims
 
     intra_dims = intra_node_dims(shape, devices_per_node)
     intra = [s for s in m.comm if intra_dims[s.mesh_dim]] + m.pair_comm
@@ -173,7 +173,6 @@ def _fit_and_save(args, base, m: Measured, shape, devices_per_node) -> None:
 
 
 def _report(profile, compute_fit, intra_fit, inter_fit, step_fit, kept, base, out: Path) -> None:
-    from torchtitan_autoparallel.calibrate.measure import note
 
     peaks = ", ".join(f"{d} {v:.4g}" for d, v in profile.peak_tflops.items())
     note(f"compute: {peaks} TFLOP/s; memory {profile.mem_bandwidth_GBps:.4g} GB/s; "
@@ -195,9 +194,6 @@ def _report(profile, compute_fit, intra_fit, inter_fit, step_fit, kept, base, ou
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torchtitan_autoparallel.calibrate.fit import FitError
-    from torchtitan_autoparallel.distributed.runtime import init_runtime, shutdown
-    from torchtitan_autoparallel.train.failures import USER_ERROR_EXIT, record_user_error
 
     try:
         args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -211,6 +207,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from torchtitan_autoparallel.distributed.runtime import exit_process
 
     exit_process(main())

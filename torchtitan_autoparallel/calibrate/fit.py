@@ -1,6 +1,6 @@
 """Least-squares fits of the cost model's parameters to measured timings.
 
-The cost model (``planner/cost_model.py``) is linear in the reciprocals of
+The cost model (``planner/cost/cost_model.py``) is linear in the reciprocals of
 its rates, so each fit is one weighted linear least-squares problem:
 
 * compute: ``us = flops / F_dtype + overhead`` for matmuls and
@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.cost_model import COLLECTIVES
-from torchtitan_autoparallel.planner.profiles import PEAK_DTYPES, HardwareProfile, Link
+from torchtitan_autoparallel.planner.cost.cost_model import COLLECTIVES
+from torchtitan_autoparallel.planner.cost.profiles import PEAK_DTYPES, HardwareProfile, Link
 
 
 class FitError(ValueError):

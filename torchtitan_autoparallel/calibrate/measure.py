@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_autoparallel.calibrate.fit import CommSample, ComputeSample
-from torchtitan_autoparallel.planner.cost_model import COLLECTIVES
-from torchtitan_autoparallel.planner.profiles import PEAK_DTYPES
+from torchtitan_autoparallel.errors import UserError
+from torchtitan_autoparallel.planner.cost.cost_model import COLLECTIVES
+from torchtitan_autoparallel.planner.cost.profiles import PEAK_DTYPES
 
 KIB, MIB = 2**10, 2**20
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -271,7 +272,6 @@ def intra_node_dims(mesh_shape: tuple[int, ...], devices_per_node: int) -> list[
 
 
 def check_mesh_shape(shape: tuple[int, ...], world_size: int) -> None:
-    from torchtitan_autoparallel.errors import UserError
 
     if not shape or any(s < 1 for s in shape) or math.prod(shape) != world_size:
         raise UserError(

@@ -28,6 +28,8 @@ import torch
 from torch import fx, nn
 
 from torchtitan_autoparallel.calibrate.fit import HostSample, OptimizerSample
+from torchtitan_autoparallel.calibrate.measure import time_us
+from torchtitan_autoparallel.execute.optim import clip_grad_norm
 
 # ATen ops of a typical compiled step on small tensors: views, transposes and
 # elementwise math, one node each (six per round of _host_graph).
@@ -91,7 +93,6 @@ def measure_host(
     settings: StepSettings, device: torch.device, repeats: int, progress, window_s: float = 0.0
 ) -> list[HostSample]:
     """Graphs of small ops, and of activation-sized ones kept alive; ``window_s`` as ``measure.time_us``'s."""
-    from torchtitan_autoparallel.calibrate.measure import time_us
 
     x = torch.randn(_SIDE, _SIDE, device=device)
     samples = []
@@ -112,7 +113,6 @@ def measure_host(
 def _time_alloc_graph(
     nodes: int, elements: int, device: torch.device, repeats: int, window_s: float
 ) -> HostSample:
-    from torchtitan_autoparallel.calibrate.measure import time_us
 
     gm, x = alloc_graph(nodes), torch.randn(elements, device=device)
     with torch.no_grad():
@@ -123,7 +123,6 @@ def _time_alloc_graph(
 
 
 def measure_optimizer(settings: StepSettings, mesh, device: torch.device, repeats: int, progress) -> list[OptimizerSample]:
-    from torchtitan_autoparallel.calibrate.measure import time_us
 
     samples = []
     for tensors, per_tensor in settings.optimizer:
@@ -138,7 +137,6 @@ def _optimizer_step(mesh, device: torch.device, tensors: int, per_tensor: int):
     """One training step's clipping and AdamW over DTensor shards, as ``execute/optim.optimizer_step`` runs them."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from torchtitan_autoparallel.execute.optim import clip_grad_norm
 
     placements = [Shard(0)] * mesh.ndim  # sharded like FSDP's parameters: the common case
 

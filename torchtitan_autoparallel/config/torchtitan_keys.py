@@ -4,7 +4,7 @@ What ``compat.py`` sorts into honoured, mapped and accepted-only, what
 ``tt_keys_doc.py`` lists in docs/torchtitan_keys.md, and what the tests write
 out as a job file. Nested tables are dotted (``[training.dataloader]``,
 ``[quantize.linear.float8]``). None marks a default TOML cannot spell (no key).
-Read off torchtitan 0.2.2's dataclasses; ``tests/test_torchtitan_keys.py``
+Read off torchtitan 0.2.2's dataclasses; ``tests/config/test_torchtitan_keys.py``
 checks the names against its source where that version is installed.
 """
 

@@ -3,7 +3,7 @@
     python -m torchtitan_autoparallel.config.tt_keys_doc > docs/torchtitan_keys.md
 
 Generated from ``compat.py``'s tables and ``job_config.py``, so the page cannot
-drift from the parser (``tests/test_torchtitan_keys.py`` checks it is current).
+drift from the parser (``tests/config/test_torchtitan_keys.py`` checks it is current).
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ from torchtitan_autoparallel.execute.agree import (
     solve_on_rank0,
 )
 from torchtitan_autoparallel.execute.audit import audit, executed_collectives, expected_collectives
-from torchtitan_autoparallel.execute.interpreter import PlanExecutionError
+from torchtitan_autoparallel.execute.interpreter import PlanExecutionError, StepOutput
 from torchtitan_autoparallel.execute.optim import build_adamw, clip_grad_norm, global_grad_norm, optimizer_step
 from torchtitan_autoparallel.execute.pipeline import PlannedTraining, plan_and_build
-from torchtitan_autoparallel.execute.step import FullValues, PlannedStep, StepOutput, build_executable
+from torchtitan_autoparallel.execute.step import FullValues, PlannedStep, build_executable
 
 __all__ = [
     "PlanExecutionError",

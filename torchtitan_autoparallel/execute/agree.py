@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import fx
 
-from torchtitan_autoparallel.planner.build import BuiltProblem
-from torchtitan_autoparallel.planner.problem import InfeasibleProblem
+from torchtitan_autoparallel.planner.problem.build import BuiltProblem
+from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem
 from torchtitan_autoparallel.planner.solvers.base import Solution
 from torchtitan_autoparallel.planner.solvers.ilp import SolverTimeout
 

@@ -18,10 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
+from torchtitan_autoparallel.execute.compiled import KINDS
 from torchtitan_autoparallel.execute.step import PlannedStep
-from torchtitan_autoparallel.planner.plan import Plan
-
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+from torchtitan_autoparallel.planner.plan.plan import Plan
 
 
 def expected_collectives(plan: Plan, backend: str | None = None) -> Counter:

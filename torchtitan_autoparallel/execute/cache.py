@@ -38,8 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_leaves
 
 from torchtitan_autoparallel.execute.agree import agree_on_solution, fingerprint
-from torchtitan_autoparallel.planner.api import SolveHook
-from torchtitan_autoparallel.planner.build import BuiltProblem
+from torchtitan_autoparallel.planner.plan.api import SolveHook
+from torchtitan_autoparallel.planner.problem.build import BuiltProblem
 from torchtitan_autoparallel.planner.solvers.base import Solution
 
 log = logging.getLogger("torchtitan_autoparallel.execute")

@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 
-from torchtitan_autoparallel.execute.step import PlannedStep, StepOutput
+from torchtitan_autoparallel.execute.interpreter import StepOutput
+
+if TYPE_CHECKING:
+    from torchtitan_autoparallel.execute.step import PlannedStep
 
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
 PROGRESS_EVERY_S = 30.0
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 log = logging.getLogger("torchtitan_autoparallel.execute")
 
 
@@ -217,7 +222,6 @@ def _is_collective(node: fx.Node) -> bool:
 
 def graph_collectives(gm: fx.GraphModule) -> Counter:
     """Kind -> count of the collective calls a local graph makes (waits are not collectives)."""
-    from torchtitan_autoparallel.execute.audit import KINDS
 
     counts: Counter = Counter()
     for node in gm.graph.nodes:

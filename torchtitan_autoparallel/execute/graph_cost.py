@@ -21,8 +21,8 @@ import torch
 from torch import fx
 
 from torchtitan_autoparallel.execute.overlap import group_name
-from torchtitan_autoparallel.planner.cost_model import collective_time_us, mesh_dim_links
-from torchtitan_autoparallel.planner.profiles import HardwareProfile
+from torchtitan_autoparallel.planner.cost.cost_model import collective_time_us, mesh_dim_links
+from torchtitan_autoparallel.planner.cost.profiles import HardwareProfile
 
 # Functional collective -> cost-model kind; waits are not collectives.
 _KINDS = {

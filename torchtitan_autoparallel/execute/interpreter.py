@@ -11,7 +11,7 @@ For every op node, in graph order:
      planned output placements. Then the op runs as an ordinary DTensor op
      (DTensor knows how to rewrite shape arguments of views, expands, etc.).
    * ``local``: DTensor would pick another strategy (or has none: CPU flash
-     attention, the batch-sharded mean loss of ``planner/rules.py``). Then the
+     attention, the batch-sharded mean loss of ``planner/strategies/rules.py``). Then the
      op runs on the local shards and its outputs are wrapped with the planned
      output placements. This is sound exactly when the planned strategy is a
      "local kernel" rule, which every rule source except torch's full-mesh
@@ -44,8 +44,8 @@ from torchtitan_autoparallel.execute.kernels import retarget_device, substitute
 from torchtitan_autoparallel.execute.layout import match_layout
 from torchtitan_autoparallel.execute.placements import placements_text, same_placements
 from torchtitan_autoparallel.execute.redistribute import redistribute_to
-from torchtitan_autoparallel.planner.placement import Placements, local_shape
-from torchtitan_autoparallel.planner.strategy import Strategy
+from torchtitan_autoparallel.planner.strategies.placement import Placements, local_shape
+from torchtitan_autoparallel.planner.strategies.strategy import Strategy
 
 DTENSOR = "dtensor"
 LOCAL = "local"
@@ -54,6 +54,14 @@ FACTORY = "factory"  # no tensor input: computed whole on every rank, then slice
 
 class PlanExecutionError(RuntimeError):
     """The graph cannot run as planned (a placement DTensor cannot honour, a bad local shape)."""
+
+
+@dataclass
+class StepOutput:
+    """What one interpretation of the graph yields, before the loss is reduced for reporting."""
+
+    loss: DTensor  # placed as planned (e.g. Partial(avg) over the data-parallel axes)
+    grads: dict[str, DTensor]  # each in its parameter's planned placement
 
 
 @dataclass

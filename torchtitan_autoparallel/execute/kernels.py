@@ -15,7 +15,7 @@ flash kernel its rules know). Two traces of that choice break on a GPU:
    layer). The forward's logsumexp output is only read by that backward,
    which no longer needs it, so zeros of the traced shape stand in for it.
 
-Both are checked on CPU by forcing the substitutes (tests/test_execute.py);
+Both are checked on CPU by forcing the substitutes (tests/execute/test_execute.py);
 no GPU has run them yet.
 """
 

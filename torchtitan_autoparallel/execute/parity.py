@@ -8,7 +8,7 @@ seeded full init as planned, and trains a few AdamW steps on seeded random
 batches; rank 0 writes the per-step losses (and, with ``--audit``, the
 expected and executed collective counts) as JSON. ``reference_losses`` runs
 the same steps unsharded in one process (``model(tokens)`` + the trainer's
-loss), for comparison. ``tests/test_execute.py`` drives both.
+loss), for comparison. ``tests/execute/test_execute.py`` drives both.
 """
 
 from __future__ import annotations
@@ -25,6 +25,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+
+from torchtitan_autoparallel.execute.audit import audit
+from torchtitan_autoparallel.execute.compiled import graph_collectives
+from torchtitan_autoparallel.execute.optim import build_adamw, optimizer_step
+from torchtitan_autoparallel.execute.pipeline import plan_and_build
+from torchtitan_autoparallel.execute.placements import chosen_strategies
+from torchtitan_autoparallel.execute.step import FullValues
+from torchtitan_autoparallel.mesh.runtime import exit_process
+from torchtitan_autoparallel.models.loss import cross_entropy_loss
+from torchtitan_autoparallel.models.registry import build_meta_model, build_model_config
+from torchtitan_autoparallel.planner.cost.profiles import load_profile
+from torchtitan_autoparallel.planner.strategies.strided import has_strided
 
 
 @dataclass(frozen=True)
@@ -68,7 +80,6 @@ class ParityResult:
 
 def full_model(cfg: ParityConfig, layers: int | None = None) -> nn.Module:
     """The unsharded model with the trainer's seeded init (``train/setup.py::_materialize``)."""
-    from torchtitan_autoparallel.models.registry import build_model_config
 
     config = build_model_config(cfg.family, "debugmodel", layers or cfg.layers)
     torch.manual_seed(cfg.seed)
@@ -92,7 +103,6 @@ def _vocab(model: nn.Module) -> int:
 
 def reference_losses(cfg: ParityConfig) -> list[float]:
     """Per-step losses of the unsharded eager model on one process."""
-    from torchtitan_autoparallel.train.loss import cross_entropy_loss
 
     model = full_model(cfg)
     opt = torch.optim.AdamW(
@@ -113,10 +123,6 @@ def reference_losses(cfg: ParityConfig) -> list[float]:
 def plan_parity(cfg: ParityConfig, mesh, full: nn.Module, layers: int | None = None, **planner_kwargs):
     """``cfg``'s model (``layers`` blocks, default ``cfg.layers``) planned on ``mesh`` and
     placed with ``full``'s values: ``pipeline.plan_and_build``'s result."""
-    from torchtitan_autoparallel.execute.pipeline import plan_and_build
-    from torchtitan_autoparallel.execute.step import FullValues
-    from torchtitan_autoparallel.models.registry import build_meta_model
-    from torchtitan_autoparallel.planner.profiles import load_profile
 
     return plan_and_build(
         build_meta_model(cfg.family, "debugmodel", n_layers=cfg.layers if layers is None else layers),
@@ -140,9 +146,6 @@ def run_planned(
     cfg: ParityConfig, names: tuple[str, ...], sizes: tuple[int, ...], *, do_audit: bool, mismatch: bool = False
 ) -> ParityResult:
     """Plan, place and train on the current process group; every rank returns the same result."""
-    from torchtitan_autoparallel.execute.audit import audit
-    from torchtitan_autoparallel.execute.optim import build_adamw, optimizer_step
-    from torchtitan_autoparallel.models.registry import build_meta_model
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
@@ -161,7 +164,6 @@ def run_planned(
         model = step.bind_to(build_meta_model(cfg.family, "debugmodel", n_layers=layers))
         assert all(a is b for a, b in zip(model.parameters(), step.parameters()))
     if cfg.compile:
-        from torchtitan_autoparallel.execute.compiled import graph_collectives
 
         tokens, labels = batch(cfg, 0, _vocab(full))
         step.overlap_execution = bool(cfg.overlap_execution)
@@ -192,8 +194,6 @@ def run_planned(
 
 
 def _strided_nodes(planned) -> int:
-    from torchtitan_autoparallel.execute.placements import chosen_strategies
-    from torchtitan_autoparallel.planner.strided import has_strided
 
     chosen = chosen_strategies(planned.built, planned.solution).values()
     return sum(any(map(has_strided, (*s.outputs, *s.inputs))) for s in chosen)
@@ -232,7 +232,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from torchtitan_autoparallel.distributed.runtime import exit_process
 
     main()
     exit_process(0)

@@ -1,6 +1,6 @@
 """Plan on every rank, solve on rank 0, and build the executable step: one call for the trainer.
 
-The stages are the planner's (``planner/api.py::plan_stages``). Every rank
+The stages are the planner's (``planner/plan/api.py::plan_stages``). Every rank
 traces and enumerates; only rank 0 solves; all ranks check they built the same
 problem before sharing the solution (``agree.py``, passed as the solve hook).
 """
@@ -19,11 +19,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_autoparallel.execute.cache import cached_solve_hook, plan_settings
 from torchtitan_autoparallel.execute.step import FullValues, PlannedStep, build_executable
-from torchtitan_autoparallel.planner.api import plan_stages
-from torchtitan_autoparallel.planner.build import BuiltProblem
-from torchtitan_autoparallel.planner.plan import Plan
+from torchtitan_autoparallel.planner.plan.api import plan_stages
+from torchtitan_autoparallel.planner.plan.plan import Plan
+from torchtitan_autoparallel.planner.problem.build import BuiltProblem
 from torchtitan_autoparallel.planner.solvers.base import Solution
-from torchtitan_autoparallel.planner.trace import TracedStep
+from torchtitan_autoparallel.planner.trace.trace import TracedStep
 
 log = logging.getLogger("torchtitan_autoparallel.execute")
 

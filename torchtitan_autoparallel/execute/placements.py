@@ -15,10 +15,10 @@ import numpy as np
 from torch import fx
 from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 
-from torchtitan_autoparallel.planner.build import BuiltProblem
-from torchtitan_autoparallel.planner.placement import Placements
+from torchtitan_autoparallel.planner.problem.build import BuiltProblem
 from torchtitan_autoparallel.planner.solvers.base import Solution
-from torchtitan_autoparallel.planner.strategy import Strategy
+from torchtitan_autoparallel.planner.strategies.placement import Placements
+from torchtitan_autoparallel.planner.strategies.strategy import Strategy
 
 
 def chosen_strategies(built: BuiltProblem, solution: Solution) -> dict[fx.Node, Strategy]:

@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from torchtitan_autoparallel.execute.placements import normalise
 from torchtitan_autoparallel.execute.strided import has_strided, redistribute_strided
-from torchtitan_autoparallel.planner.placement import Placements
+from torchtitan_autoparallel.planner.strategies.placement import Placements
 
 
 def redistribute_to(value: DTensor, mesh: DeviceMesh, target: Placements) -> DTensor:

@@ -23,24 +23,17 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torchtitan_autoparallel.execute import bucketing
 from torchtitan_autoparallel.execute.backend import BackendGraph
 from torchtitan_autoparallel.execute.bucketing import BucketStats
-from torchtitan_autoparallel.execute.interpreter import ExecutionModes, PlannedInterpreter, PlanExecutionError
+from torchtitan_autoparallel.execute.compiled import loss_only_graph, run_local_graph, trace_local_graph, union_over_ranks
+from torchtitan_autoparallel.execute.interpreter import ExecutionModes, PlanExecutionError, PlannedInterpreter, StepOutput
 from torchtitan_autoparallel.execute.kernels import check_logsumexp_users
 from torchtitan_autoparallel.execute.overlap import OverlapStats, schedule_overlap
 from torchtitan_autoparallel.execute.placements import chosen_strategies, placements_text
 from torchtitan_autoparallel.execute.redistribute import redistribute_to
-from torchtitan_autoparallel.planner.build import BuiltProblem
-from torchtitan_autoparallel.planner.placement import Placements
+from torchtitan_autoparallel.planner.problem.build import BuiltProblem
 from torchtitan_autoparallel.planner.solvers.base import Solution
-from torchtitan_autoparallel.planner.strategy import Strategy
-from torchtitan_autoparallel.planner.trace import TracedStep
-
-
-@dataclass
-class StepOutput:
-    """What one interpretation of the graph yields, before the loss is reduced for reporting."""
-
-    loss: DTensor  # placed as planned (e.g. Partial(avg) over the data-parallel axes)
-    grads: dict[str, DTensor]  # each in its parameter's planned placement
+from torchtitan_autoparallel.planner.strategies.placement import Placements
+from torchtitan_autoparallel.planner.strategies.strategy import Strategy
+from torchtitan_autoparallel.planner.trace.trace import TracedStep
 
 
 @dataclass
@@ -97,7 +90,6 @@ class PlannedStep:
         whole step runs and its gradients are dropped."""
         if self.local_graph is None:
             return self.step_local(local_tokens, local_labels)[0]
-        from torchtitan_autoparallel.execute.compiled import run_local_graph
 
         tokens, labels = self._batch_from_local(local_tokens, local_labels)
         return _report_loss(run_local_graph(self, tokens, labels, loss_only=True).loss)
@@ -105,7 +97,6 @@ class PlannedStep:
     def loss_graph(self) -> fx.GraphModule:
         """``local_graph`` without the backward; derived once, on first use, by every rank
         together (they agree on the collectives it keeps)."""
-        from torchtitan_autoparallel.execute.compiled import loss_only_graph, union_over_ranks
 
         if self._loss_graph is None or self._loss_graph[0] is not self.local_graph:
             self._loss_graph = (self.local_graph, loss_only_graph(self.local_graph, union_over_ranks))
@@ -127,7 +118,6 @@ class PlannedStep:
         the joint graph over DTensors.
         """
         if self.local_graph is not None:
-            from torchtitan_autoparallel.execute.compiled import run_local_graph
 
             return run_local_graph(self, tokens, labels)
         return self.interpret(self.inputs(tokens, labels))
@@ -166,7 +156,6 @@ class PlannedStep:
         self._compile(*self._batch_from_local(local_tokens, local_labels))
 
     def _compile(self, tokens: DTensor, labels: DTensor) -> None:
-        from torchtitan_autoparallel.execute.compiled import trace_local_graph
 
         graph = trace_local_graph(self, tokens, labels)
         # Every rank runs the same deterministic passes. Bucketing goes first, so that the

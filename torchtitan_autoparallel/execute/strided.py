@@ -19,7 +19,7 @@ placements:
 A rank's global indices along a dim follow from the placements (``held``),
 and every reorder is checked against them, so a wrong step fails loudly
 instead of training on scrambled rows. The collectives are the ones
-``cost_model.redistribute_steps`` prices: tests/test_strided.py checks the
+``cost_model.redistribute_steps`` prices: tests/planner/test_strided.py checks the
 counts pair by pair on a 2x2 mesh. (On 2x2x2, a sample of 365 pairs was
 exact in values, but 14 with several mesh dims on one tensor dim ran a
 different number of gathers than the model's cheapest path.)
@@ -38,8 +38,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
 from torchtitan_autoparallel.execute.placements import normalise
-from torchtitan_autoparallel.planner.placement import Placements, is_shard
-from torchtitan_autoparallel.planner.strided import has_strided
+from torchtitan_autoparallel.planner.strategies.placement import Placements, is_shard
+from torchtitan_autoparallel.planner.strategies.strided import has_strided
 
 __all__ = ["StridedRedistributeError", "has_strided", "held", "redistribute_strided"]
 

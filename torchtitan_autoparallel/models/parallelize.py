@@ -14,7 +14,7 @@ from torchtitan_autoparallel import compat
 from torchtitan_autoparallel.compat import HandPlan, ModelConfig
 from torchtitan_autoparallel.config import JobConfig
 from torchtitan_autoparallel.cpu_compat import keep_weight_tying_under_tp, sum_reduce_gradients_on_gloo
-from torchtitan_autoparallel.distributed.runtime import Runtime
+from torchtitan_autoparallel.mesh.runtime import Runtime
 
 
 def hand_plan(job: JobConfig, degrees: tuple[int, int, int]) -> HandPlan:

@@ -1,7 +1,7 @@
 """Compile the planner's numba loops now, into numba's on-disk cache.
 
 Nothing needs this: each loop compiles the first time a plan calls it (and
-1-D plans run them as Python, ``planner/jit.py``), logging a compile that
+1-D plans run them as Python, ``jit.py``), logging a compile that
 takes a while. Run it where the first 2-D or 3-D plan on a machine should not
 pay that compile (a few minutes on 2 cores), e.g. when building an image;
 later runs load the cached code in about a second. Run it again after
@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from torchtitan_autoparallel.planner import pricer
-from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.cost import pricer
+from torchtitan_autoparallel.planner.problem.problem import Problem
 from torchtitan_autoparallel.planner.solvers import kernels
 from torchtitan_autoparallel.planner.solvers.approx import ApproxSolver
 

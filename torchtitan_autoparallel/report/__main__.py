@@ -16,6 +16,8 @@ from pathlib import Path
 
 from torchtitan_autoparallel.errors import UserError
 from torchtitan_autoparallel.report.common import DEFAULT_WARN_GIB, GIB, load_plan, plan_warnings
+from torchtitan_autoparallel.report.diff import diff_plans, format_diff
+from torchtitan_autoparallel.report.html import write_html
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,7 +40,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _html(args: argparse.Namespace) -> None:
-    from torchtitan_autoparallel.report.html import write_html
 
     if not args.warn_gib > 0:
         raise UserError(f"--warn-gib {args.warn_gib}; accepted: a number of GiB > 0")
@@ -52,7 +53,6 @@ def _html(args: argparse.Namespace) -> None:
 
 
 def _diff(args: argparse.Namespace) -> None:
-    from torchtitan_autoparallel.report.diff import diff_plans, format_diff
 
     before, after = load_plan(args.before), load_plan(args.after)
     print(format_diff(diff_plans(before, after), (args.before, args.after)))

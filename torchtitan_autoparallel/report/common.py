@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan_autoparallel.errors import UserError
-from torchtitan_autoparallel.planner.memory import OPTIMIZER_STATE_COPIES
-from torchtitan_autoparallel.planner.plan import Plan
+from torchtitan_autoparallel.planner.cost.step_terms import plan_terms
+from torchtitan_autoparallel.planner.plan.memory import OPTIMIZER_STATE_COPIES
+from torchtitan_autoparallel.planner.plan.plan import Plan
 
 GIB = 2**30
 # A gather to this size on every device is where a plan starts to risk OOM on
@@ -35,9 +36,8 @@ def predicted_step_us(plan: Plan) -> float:
     """Compute plus communication, less what overlapping them saves, plus host and optimizer time.
 
     Plans written before the host and optimizer terms count them as 0
-    (``planner/step_terms.py``).
+    (``planner/cost/step_terms.py``).
     """
-    from torchtitan_autoparallel.planner.step_terms import plan_terms
 
     return plan_terms(plan).total_us
 
@@ -137,7 +137,7 @@ class MemoryFit:
 
     state_bytes: float  # parameters and AdamW's state
     # the planner's peak of what the step keeps live, gradients included
-    # (planner/memory.py; 0 where the plan lacks it)
+    # (planner/plan/memory.py; 0 where the plan lacks it)
     activation_bytes: float
     device_bytes: float
     # of activation_bytes: weights cast or gathered in the forward and kept for the backward

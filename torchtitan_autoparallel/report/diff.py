@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchtitan_autoparallel.planner.plan import Plan
+from torchtitan_autoparallel.planner.plan.plan import Plan
 from torchtitan_autoparallel.report.common import (
     fmt_bytes,
     fmt_us,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from torchtitan_autoparallel.planner.plan import Plan
+from torchtitan_autoparallel.planner.plan.plan import Plan
 from torchtitan_autoparallel.report.common import fmt_bytes, fmt_us, group_blocks, placement_colors, predicted_step_us
 
 TOP_COLLECTIVES = 6

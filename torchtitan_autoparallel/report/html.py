@@ -10,7 +10,7 @@ import base64
 import html
 from pathlib import Path
 
-from torchtitan_autoparallel.planner.plan import Collective, Plan
+from torchtitan_autoparallel.planner.plan.plan import Collective, Plan
 from torchtitan_autoparallel.report.common import (
     DEFAULT_WARN_GIB,
     GIB,

@@ -9,22 +9,34 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps
-from torchtitan_autoparallel.distributed.runtime import Runtime
+from torchtitan_autoparallel.data.loader import build_data
 from torchtitan_autoparallel.errors import ConfigError, UserError
+from torchtitan_autoparallel.execute.compiled import graph_collectives
+from torchtitan_autoparallel.execute.graph_cache import compile_cached
+from torchtitan_autoparallel.execute.graph_cost import graph_cost
+from torchtitan_autoparallel.execute.optim import optimizer_step
+from torchtitan_autoparallel.execute.pipeline import plan_and_build
+from torchtitan_autoparallel.mesh.runtime import Runtime
+from torchtitan_autoparallel.planner.cost.profiles import default_profile_name, gpu_profile_name, load_profile
+from torchtitan_autoparallel.planner.plan.api import plan_training_step
+from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem
+from torchtitan_autoparallel.planner.solvers.ilp import SolverTimeout
+from torchtitan_autoparallel.report.common import GIB, memory_fit, peak_summary, plan_warnings
+from torchtitan_autoparallel.report.html import write_html
 from torchtitan_autoparallel.train import checkpoint
+from torchtitan_autoparallel.train.initial import planned_full_values
 from torchtitan_autoparallel.train.optim import build_lr_scheduler, build_optimizer
 from torchtitan_autoparallel.train.setup import (
     Training,
-    build_data,
     build_metrics,
     set_determinism,
 )
@@ -45,7 +57,6 @@ def build_auto_mesh(runtime: Runtime, degrees: tuple[int, int, int]) -> DeviceMe
 
 
 def resolve_profile(job: JobConfig, runtime: Runtime):
-    from torchtitan_autoparallel.planner.profiles import default_profile_name, gpu_profile_name, load_profile
 
     name = job.autoparallel.cost_profile
     if name == "auto":
@@ -104,8 +115,6 @@ def _cache_settings(job: JobConfig) -> dict:
 @contextmanager
 def _planning_errors(job: JobConfig) -> Iterator[None]:
     """Turn the planner's expected failures into one-line user errors."""
-    from torchtitan_autoparallel.planner.problem import InfeasibleProblem
-    from torchtitan_autoparallel.planner.solvers.ilp import SolverTimeout
 
     a = job.autoparallel
     try:
@@ -141,8 +150,6 @@ def _device_memory_bytes(job: JobConfig, runtime: Runtime) -> float | None:
 def _write_plan_report(job: JobConfig, plan, folder: Path) -> None:
     """plan.html beside plan.json; a warning per collective that gathers too much per
     device, and one if the plan's memory estimate outgrows the device."""
-    from torchtitan_autoparallel.report.common import GIB, memory_fit, peak_summary, plan_warnings
-    from torchtitan_autoparallel.report.html import write_html
 
     threshold = job.autoparallel.report_warn_gib * GIB
     write_html(plan, folder / "plan.html", threshold)
@@ -158,7 +165,6 @@ def _write_plan_report(job: JobConfig, plan, folder: Path) -> None:
 
 def plan_job(job: JobConfig, runtime: Runtime, model_config, degrees: tuple[int, int, int]):
     """Plan the job's training step and write ``<dump_folder>/plan.json`` (no training)."""
-    from torchtitan_autoparallel.planner.api import plan_training_step
 
     mesh = build_auto_mesh(runtime, degrees)
     with torch.device("meta"):
@@ -178,7 +184,6 @@ class AutoTraining(Training):
     validation_graph_logged: bool = False
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, float]:
-        from torchtitan_autoparallel.execute.optim import optimizer_step
 
         loss, grads = self._micro_step(batches[0])
         for batch in batches[1:]:
@@ -207,8 +212,6 @@ class AutoTraining(Training):
         return inputs, labels
 
     def _compile(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        from torchtitan_autoparallel.execute.compiled import graph_collectives
-        from torchtitan_autoparallel.execute.graph_cache import compile_cached
 
         start = time.perf_counter()
         a = self.job.autoparallel
@@ -230,7 +233,6 @@ class AutoTraining(Training):
 
     def _reprice_prediction(self) -> None:
         """The plan check prices the compiled graph: its bucketed collectives and its node count."""
-        from torchtitan_autoparallel.execute.graph_cost import graph_cost
 
         profile = resolve_profile(self.job, self.runtime)
         try:
@@ -248,7 +250,6 @@ class AutoTraining(Training):
         return self.planned.loss_local(inputs, labels)
 
     def _log_validation_graph(self) -> None:
-        from torchtitan_autoparallel.execute.compiled import graph_collectives
 
         full, forward = self.planned.local_graph, self.planned.loss_graph()
         logger.info(
@@ -277,8 +278,6 @@ def build_auto_training(
     job: JobConfig, runtime: Runtime, family: str, model_config, degrees: tuple[int, int, int]
 ) -> AutoTraining:
     """Plan on every rank (solve on rank 0), place the weights, and build the loop's parts."""
-    from torchtitan_autoparallel.execute.pipeline import plan_and_build
-    from torchtitan_autoparallel.train.initial import planned_full_values
 
     set_determinism(job, runtime.device)
     mesh = build_auto_mesh(runtime, degrees)

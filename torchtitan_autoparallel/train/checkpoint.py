@@ -47,8 +47,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.train import checkpoint_files as files
-from torchtitan_autoparallel.train.checkpoint_files import METADATA, STATE_FILE, CheckpointError
+from torchtitan_autoparallel.train import hf_checkpoint
+from torchtitan_autoparallel.train.checkpoint_files import METADATA, STATE_FILE, CheckpointError, first_failure
 
 logger = logging.getLogger("torchtitan_autoparallel")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -112,7 +114,6 @@ _OVERHEAD = 1.02
 
 def checkpoint_bytes(job, family: str) -> tuple[int, int]:
     """(bytes one checkpoint of ``job``'s model takes, its parameter count)."""
-    from torchtitan_autoparallel.models.registry import build_meta_model
 
     model = build_meta_model(family, job.model.flavor, job.model.n_layers)
     params = sum(p.numel() for p in model.parameters())
@@ -277,8 +278,6 @@ def save(
     logger.info(f"saving checkpoint {path}{kind}{' in the background' if behind else ''} ...")
     try:
         if hf_adapter is not None:
-            from torchtitan_autoparallel.train import hf_checkpoint
-
             hf_checkpoint.save(path, state["model"], hf_adapter, model_only_dtype)
             done.hf = True
         elif behind:
@@ -452,8 +451,6 @@ def check_initial(path: Path, model_id: str, model_only: bool, in_hf: bool = Fal
     no train state (None: a folder from the Hub)."""
     key = "checkpoint.initial_load_path"
     if in_hf:
-        from torchtitan_autoparallel.train import hf_checkpoint
-
         hf_checkpoint.check_folder(path)
         return _read_state(path, model_id, key) if (path / "train_state.json").is_file() else None
     state = _read_state(path, model_id, key)
@@ -504,8 +501,6 @@ def load_initial(
     ``hf_adapter``, ``path`` holds Hugging Face safetensors (weights only)."""
     state = check_initial(path, model_id, model_only, hf_adapter is not None)
     if hf_adapter is not None:
-        from torchtitan_autoparallel.train import hf_checkpoint
-
         hf_checkpoint.load(path, model, hf_adapter)
         return None
     if not model_only:
@@ -568,13 +563,6 @@ def _instead(path: Path, resumed_from: Path | None) -> str:
     if good is None:
         return f"the file as it was saved, or remove {path} (no older checkpoint in {resumed_from} verifies)"
     return f"checkpoint.load_step = {good} ({resumed_from / f'step-{good}'}, the latest older checkpoint that verifies)"
-
-
-def first_failure(e: CheckpointException) -> str:
-    for failure in e.failures.values():
-        exc = failure[0] if isinstance(failure, tuple) else failure
-        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return str(e)
 
 
 def _check_state_placed_like_params(optimizer) -> None:

@@ -308,3 +308,10 @@ def _free_bytes(path: Path) -> int | None:
         return shutil.disk_usage(existing).free
     except OSError:
         return None
+
+
+def first_failure(e: CheckpointException) -> str:
+    for failure in e.failures.values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return str(e)

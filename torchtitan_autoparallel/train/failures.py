@@ -27,7 +27,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from torchtitan_autoparallel.distributed.runtime import ranks_that_never_arrived
+from torchtitan_autoparallel.mesh.runtime import ranks_that_never_arrived
 
 if TYPE_CHECKING:  # torch's elastic package is imported only where a job runs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure

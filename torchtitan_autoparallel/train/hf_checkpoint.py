@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan_autoparallel import compat
 from torchtitan_autoparallel.compat import ModelConfig
 from torchtitan_autoparallel.errors import ConfigError
+from torchtitan_autoparallel.train.checkpoint_files import CheckpointError, first_failure
 
 logger = logging.getLogger("torchtitan_autoparallel")
 
@@ -110,8 +111,6 @@ def check_folder(path: Path) -> None:
 
 def load(path: Path, model: nn.Module, hf_adapter) -> None:
     """Fill the model's parameters (any plan) from the HF safetensors in ``path``."""
-    from torchtitan_autoparallel.train.checkpoint import CheckpointError, first_failure
-
     target = hf_adapter.to_hf(model.state_dict())
     try:
         dcp.load(target, storage_reader=HuggingFaceStorageReader(str(path)))

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchtitan_autoparallel.distributed.runtime import Runtime
 from torchtitan_autoparallel.errors import UserError
 from torchtitan_autoparallel.execute.step import FullValues
-from torchtitan_autoparallel.planner.plan import Plan
+from torchtitan_autoparallel.mesh.runtime import Runtime
+from torchtitan_autoparallel.planner.plan.plan import Plan
 from torchtitan_autoparallel.report.common import GIB, fmt_bytes, predicted_peak_bytes, state_bytes
 from torchtitan_autoparallel.train.setup import init_full_model, param_bytes
 

@@ -19,6 +19,14 @@ from pathlib import Path
 
 import torch
 
+from torchtitan_autoparallel.planner.cost.profiles import load_profile
+from torchtitan_autoparallel.train.plan_check import (
+    PlanCheck,
+    write_graph_terms_to_tensorboard,
+    write_plan_to_tensorboard,
+    write_summary_to_tensorboard,
+)
+
 logger = logging.getLogger("torchtitan_autoparallel")
 
 # Dense peak TFLOPs per GPU (datasheets). fp32 matmuls run on the FP32 cores at torch's
@@ -49,7 +57,6 @@ def resolve_peak(configured: float | None, device: torch.device, dtype: str, cos
         return Peak(configured, "[metrics] peak_tflops")
     if device.type == "cuda" and cost_profile == "auto":
         return _datasheet_peak(device, dtype)
-    from torchtitan_autoparallel.planner.profiles import load_profile
 
     name = "cpu_gloo" if cost_profile == "auto" else cost_profile
     profile = load_profile(name)  # float32 at the TF32 rate where the matmul precision allows
@@ -174,7 +181,6 @@ class MetricsLogger:
 
         ``micro_batches``: planned steps per optimizer step (gradient accumulation).
         """
-        from torchtitan_autoparallel.train.plan_check import PlanCheck, write_plan_to_tensorboard
 
         self.plan_check = PlanCheck.of(plan, micro_batches)
         if self.tb is not None:
@@ -188,7 +194,6 @@ class MetricsLogger:
         """
         if self.plan_check is None:
             return
-        from torchtitan_autoparallel.train.plan_check import write_graph_terms_to_tensorboard
 
         self.plan_check.use_graph(cost, profile)
         logger.info(f"plan check: predicted step repriced from the compiled graph: {self.plan_check.terms_text()}")
@@ -275,7 +280,6 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self.plan_check is not None and self.writes:
-            from torchtitan_autoparallel.train.plan_check import write_summary_to_tensorboard
 
             logger.info(self.plan_check.summary())
             if self.tb is not None:

@@ -9,7 +9,7 @@ models. The median, not the mean: on a shared machine a single step slowed
 by other work (seconds, against a step of hundreds of ms) would move a mean
 of a dozen steps by tens of percent.
 
-The prediction starts as the plan's (``planner/step_terms.py``: compute,
+The prediction starts as the plan's (``planner/cost/step_terms.py``: compute,
 communication, host time per node, optimizer). Once the step is compiled,
 ``use_graph`` reprices the communication and the host time from the graph
 the executor runs (bucketed collectives, its own node count), so the
@@ -23,8 +23,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field, replace
 
-from torchtitan_autoparallel.planner.plan import Plan
-from torchtitan_autoparallel.planner.step_terms import StepTerms, alloc_us, host_us, plan_terms
+from torchtitan_autoparallel.planner.cost.step_terms import StepTerms, alloc_us, host_us, plan_terms
+from torchtitan_autoparallel.planner.plan.plan import Plan
+from torchtitan_autoparallel.report.common import peak_activation_bytes
+from torchtitan_autoparallel.report.figures import plan_image
 
 WARMUP_STEPS = 2
 # A measured step this far from the prediction, either way, points at the cost profile's
@@ -130,8 +132,6 @@ def _term_scalars(terms: StepTerms, micro_batches: int) -> dict[str, float]:
 
 def write_plan_to_tensorboard(tb, plan: Plan, micro_batches: int) -> None:
     """Plan scalars (ms, at step 0), the plan table as text and the plan figure."""
-    from torchtitan_autoparallel.report.common import peak_activation_bytes
-    from torchtitan_autoparallel.report.figures import plan_image
 
     scalars = _term_scalars(plan_terms(plan), micro_batches)
     scalars["plan/param_gib_per_device"] = plan.predicted["param_bytes_per_device"] / 2**30

@@ -15,18 +15,20 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps
 from torchtitan_autoparallel.config.validate import validation_shape
-from torchtitan_autoparallel.distributed.runtime import Runtime
+from torchtitan_autoparallel.data.loader import build_data
 from torchtitan_autoparallel.errors import ConfigError
+from torchtitan_autoparallel.mesh.runtime import Runtime
+from torchtitan_autoparallel.models.loss import build_loss_fn, cross_entropy_loss
 from torchtitan_autoparallel.models.parallelize import (
     apply_manual_parallelism,
     build_parallel_dims,
     prepare_model_config,
 )
 from torchtitan_autoparallel.train import checkpoint
-from torchtitan_autoparallel.train.loss import build_loss_fn, cross_entropy_loss
 from torchtitan_autoparallel.train.metrics import MetricsLogger, resolve_peak
 from torchtitan_autoparallel.train.optim import build_lr_scheduler, build_optimizer
 from torchtitan_autoparallel.train.validate import build_validator
+from torchtitan_autoparallel.train.wandb_log import start_run
 
 logger = logging.getLogger("torchtitan_autoparallel")
 
@@ -249,40 +251,6 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
             dst.copy_(src)
 
 
-def build_data(
-    job: JobConfig,
-    model_config,
-    dp_rank: int,
-    dp_degree: int,
-    dataset: str | None = None,
-    dataset_path: str | None = None,
-    shape: tuple[int, int] | None = None,
-):
-    """This rank's loader of ``dataset`` (default: ``training.dataset``) at ``shape``
-    (local batch, sequence length; default: the training step's)."""
-    from torchtitan_autoparallel.data.dataset import build_dataloader
-    from torchtitan_autoparallel.data.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(job.model.tokenizer_path)
-    if tokenizer.vocab_size > model_config.vocab_size:
-        raise ConfigError(
-            f"tokenizer {job.model.tokenizer_path!r} has {tokenizer.vocab_size} tokens but the "
-            f"model's vocabulary is {model_config.vocab_size}; accepted: a tokenizer of at most "
-            f"{model_config.vocab_size} tokens"
-        )
-    t = job.training
-    return build_dataloader(
-        tokenizer,
-        dataset=t.dataset if dataset is None else dataset,
-        dataset_path=t.dataset_path if dataset is None else dataset_path,
-        seq_len=t.seq_len if shape is None else shape[1],
-        local_batch_size=t.local_batch_size if shape is None else shape[0],
-        dp_rank=dp_rank,
-        dp_degree=dp_degree,
-        seed=t.seed,
-    )
-
-
 def build_metrics(job: JobConfig, runtime: Runtime, flops_per_token: float) -> MetricsLogger:
     peak = resolve_peak(job.metrics.peak_tflops, runtime.device, job.training.mixed_precision_param,
                         job.autoparallel.cost_profile)
@@ -307,6 +275,5 @@ def tensorboard_folder(job: JobConfig) -> str:
 
 
 def _wandb_run(job: JobConfig):
-    from torchtitan_autoparallel.train.wandb_log import start_run
 
     return start_run(job)

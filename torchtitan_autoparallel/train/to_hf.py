@@ -22,6 +22,9 @@ import torch
 
 from torchtitan_autoparallel.config.validate import EXPORT_DTYPES
 from torchtitan_autoparallel.errors import UserError
+from torchtitan_autoparallel.models.registry import build_model_config
+from torchtitan_autoparallel.train import checkpoint_files, hf_checkpoint
+from torchtitan_autoparallel.train.checkpoint import CheckpointError, parse_model_id
 
 
 def convert(checkpoint_dir: Path, out_dir: Path, dtype: torch.dtype) -> Path:
@@ -31,9 +34,6 @@ def convert(checkpoint_dir: Path, out_dir: Path, dtype: torch.dtype) -> Path:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from torchtitan_autoparallel.models.registry import build_model_config
-    from torchtitan_autoparallel.train import checkpoint_files, hf_checkpoint
-    from torchtitan_autoparallel.train.checkpoint import CheckpointError, parse_model_id
 
     state_file = checkpoint_dir / "train_state.json"
     if not state_file.is_file():

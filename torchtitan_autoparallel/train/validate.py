@@ -25,6 +25,7 @@ import torch
 
 from torchtitan_autoparallel.config import JobConfig
 from torchtitan_autoparallel.config.validate import validation_shape
+from torchtitan_autoparallel.data.loader import build_data
 from torchtitan_autoparallel.errors import ConfigError
 
 logger = logging.getLogger("torchtitan_autoparallel")
@@ -70,8 +71,6 @@ class Validator:
 
 def build_validator(job: JobConfig, model_config, dp_rank: int, dp_degree: int) -> Validator | None:
     """The job's validator, or None when ``validation.enable`` is off."""
-    from torchtitan_autoparallel.train.setup import build_data
-
     v = job.validation
     if not v.enable:
         return None

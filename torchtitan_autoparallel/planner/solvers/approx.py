@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import FlatProblem, InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.problem.problem import FlatProblem, InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution
 from torchtitan_autoparallel.planner.solvers.collapse import collapse
 from torchtitan_autoparallel.planner.solvers.ilp import HighsILPSolver, SolverTimeout

@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.problem.problem import Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
 from torchtitan_autoparallel.planner.solvers.ilp_model import tie_components
 

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.problem.problem import Problem
 
 
 @dataclass

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution
 from torchtitan_autoparallel.planner.solvers.ilp_model import memory_message, tie_components
 

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.problem.problem import Problem
 from torchtitan_autoparallel.planner.solvers.ilp import (
     LOG,
     MIP_REL_GAP,

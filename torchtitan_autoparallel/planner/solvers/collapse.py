@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchtitan_autoparallel.planner import sums
-from torchtitan_autoparallel.planner.problem import (
+from torchtitan_autoparallel.planner.problem.problem import (
     FlatProblem,
     InfeasibleProblem,
     Problem,
     ProblemArrays,
+    sums,
 )
 from torchtitan_autoparallel.planner.solvers import kernels
 from torchtitan_autoparallel.planner.solvers.ilp_model import group_components

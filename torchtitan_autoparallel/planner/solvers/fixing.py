@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.problem.problem import Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution
 from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel
 from torchtitan_autoparallel.planner.solvers.rounding import marginals, round_and_polish

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution
 from torchtitan_autoparallel.planner.solvers.fixing import (
     Relaxation,

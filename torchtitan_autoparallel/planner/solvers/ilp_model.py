@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
 
 if TYPE_CHECKING:
     from torchtitan_autoparallel.planner.solvers.base import Solution

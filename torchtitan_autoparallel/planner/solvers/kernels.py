@@ -23,14 +23,14 @@ meshes cost more than the arithmetic. Doing without them made the sweep about 40
 presolve 10-30% faster, with the same bits.
 
 They compile on first use and are cached on disk, or run as Python on small
-plans (``planner/jit.py``).
+plans (``jit.py``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from torchtitan_autoparallel.planner import jit
+from torchtitan_autoparallel import jit
 
 _jit = jit.jit
 _inline = jit.inline

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.problem.problem import Problem
 from torchtitan_autoparallel.planner.solvers.approx import ApproxSolver
 from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
 from torchtitan_autoparallel.planner.solvers.ilp import INTEGRALITY_TOL, HighsILPSolver

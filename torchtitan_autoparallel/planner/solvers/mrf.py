@@ -19,8 +19,9 @@ from functools import cached_property
 
 import numpy as np
 
-from torchtitan_autoparallel.planner import jit, sums
-from torchtitan_autoparallel.planner.problem import FlatProblem, Problem, ProblemArrays
+from torchtitan_autoparallel import jit
+from torchtitan_autoparallel.planner.problem import sums
+from torchtitan_autoparallel.planner.problem.problem import FlatProblem, Problem, ProblemArrays
 from torchtitan_autoparallel.planner.solvers import kernels
 
 _jit = jit.jit

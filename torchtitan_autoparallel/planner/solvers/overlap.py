@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
 from torchtitan_autoparallel.planner.solvers.cbc import CbcILPSolver
 from torchtitan_autoparallel.planner.solvers.ilp import (
@@ -42,6 +42,7 @@ from torchtitan_autoparallel.planner.solvers.ilp import (
     _Run,
 )
 from torchtitan_autoparallel.planner.solvers.ilp_model import build_ilp
+from torchtitan_autoparallel.planner.solvers.overlap_lagrange import Sweep, SweepOverlapSolver, sweep
 from torchtitan_autoparallel.planner.solvers.overlap_model import (
     OverlapIlpModel,
     OverlapSpec,
@@ -49,7 +50,6 @@ from torchtitan_autoparallel.planner.solvers.overlap_model import (
     build_overlap_ilp,
     shared_argmax,
 )
-from torchtitan_autoparallel.planner.solvers.overlap_lagrange import Sweep, SweepOverlapSolver, sweep
 from torchtitan_autoparallel.planner.solvers.overlap_presolve import overlap_presolve
 from torchtitan_autoparallel.planner.solvers.overlap_terms import empty_model, fixed_terms
 from torchtitan_autoparallel.planner.solvers.presolve import ENERGY_RTOL

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.problem.problem import Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
 from torchtitan_autoparallel.planner.solvers.overlap_model import OverlapSpec
 from torchtitan_autoparallel.planner.solvers.overlap_terms import overlappable

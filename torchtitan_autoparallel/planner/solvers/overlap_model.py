@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.problem.problem import Problem
 from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel, build_ilp, tie_components
 from torchtitan_autoparallel.planner.solvers.overlap_terms import Linear, OverlapTerms, full_terms
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.problem.problem import Problem
 from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel
 from torchtitan_autoparallel.planner.solvers.overlap_dominance import NodeOverlap, overlap_margin
 from torchtitan_autoparallel.planner.solvers.overlap_model import OverlapSpec

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.problem.problem import Problem
 from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel
 
 

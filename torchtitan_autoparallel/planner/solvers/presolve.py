@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import FlatProblem, InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.problem.problem import FlatProblem, InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
 from torchtitan_autoparallel.planner.solvers.collapse import collapse
 from torchtitan_autoparallel.planner.solvers.reduce import Graph

@@ -30,7 +30,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
+from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solvers import kernels
 from torchtitan_autoparallel.planner.solvers.ilp_model import memory_message
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.problem.problem import Problem
 from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
 from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel
 from torchtitan_autoparallel.planner.solvers.local_search import polish

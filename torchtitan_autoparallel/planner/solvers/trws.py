@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchtitan_autoparallel.planner import jit
+from torchtitan_autoparallel import jit
 from torchtitan_autoparallel.planner.solvers.mrf import Mrf
 
 _jit = jit.jit
