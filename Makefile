@@ -32,7 +32,7 @@ $(SMOKE_STAMP): pyproject.toml constraints/torch2.11.txt
 	touch $(SMOKE_STAMP)
 
 train: $(STAMP)
-	./run_train.sh --model.name llama3_auto_parallel
+	./run_train.sh
 
 test: suite smoke
 

@@ -256,6 +256,9 @@ def train(
 ) -> list[dict]:
     """Train with the shipped debug config; return the records of metrics.jsonl.
 
+    ``model`` picks the config file and, unless ``overrides`` set ``--model.name``, the model
+    (``llama3``, ``qwen3``: torchtitan's hand-written plans).
+
     ``tensorboard=None`` keeps the config file's setting; ``fixed_peak`` sets
     ``metrics.peak_tflops`` so the start-up matmul benchmark is skipped; ``n_layers``
     sets ``model.n_layers`` (0: the config's depth).
@@ -273,6 +276,8 @@ def train(
     if n_layers:
         args += ["--model.n_layers", str(n_layers)]
     args += list(overrides)
+    if not any(str(x).startswith("--model.name") for x in overrides):
+        args += ["--model.name", model]  # the shipped llama3 file plans; ``model`` names the hand-written plan
     run = run_launcher(args, ngpu=ngpu, config=CONFIGS[model], timeout=timeout)
     assert run.returncode == 0, f"training run failed\n{run.tail()}"
     assert "Traceback" not in run.stdout + run.stderr, f"traceback in a successful run\n{run.tail()}"

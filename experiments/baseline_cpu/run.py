@@ -131,8 +131,8 @@ def run_row(model: str, ranks: int, plan: str, rep: int, shard: int, tp: int, st
         "--parallelism.tensor_parallel_degree", str(tp),
         "--metrics.peak_tflops", f"{peak:.6g}",
     ]
-    if model_name:
-        args += ["--model.name", model_name]
+    # always named: the shipped llama3 file trains the planner's plan, ``model`` is torchtitan's
+    args += ["--model.name", model_name or model]
     args += list(extra)
     config = CONFIGS[model].relative_to(REPO)
     command = f"NGPU={ranks} CONFIG_FILE={config} ./run_train.sh " + " ".join(

@@ -23,12 +23,13 @@ def raises_config(match: str):
 # --- the shipped configs -----------------------------------------------------
 
 
-@pytest.mark.parametrize("path,name", [(LLAMA3, "llama3"), (QWEN3, "qwen3")])
-def test_shipped_configs_parse(path: Path, name: str) -> None:
+# the default job (run_train.sh's CONFIG_FILE) trains the planner's plan
+@pytest.mark.parametrize("path,name,model", [(LLAMA3, "llama3", "llama3_auto_parallel"), (QWEN3, "qwen3", "qwen3")])
+def test_shipped_configs_parse(path: Path, name: str, model: str) -> None:
     job = load_config([], config_file=str(path))
     assert job.job.config_file == str(path)
     assert job.job.dump_folder == f"./outputs/{name}_debugmodel"
-    assert (job.model.name, job.model.flavor, job.model.tokenizer_path) == (name, "debugmodel", "default")
+    assert (job.model.name, job.model.flavor, job.model.tokenizer_path) == (model, "debugmodel", "default")
     t = job.training
     assert (t.steps, t.local_batch_size, t.seq_len, t.seed) == (30, 4, 256, 0)
     assert t.max_norm == 1.0 and isinstance(t.max_norm, float)

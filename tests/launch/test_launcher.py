@@ -151,7 +151,7 @@ def test_a_traceback_is_shown_only_when_asked_for(tmp_path: Path) -> None:
 
 def test_fake_backend_64_ranks_tensor_parallel(tmp_path: Path) -> None:
     run = run_launcher(
-        ["--job.dump_folder", str(tmp_path / "out"), "--parallelism.tensor_parallel_degree", "8",
+        ["--job.dump_folder", str(tmp_path / "out"), "--model.name", "llama3", "--parallelism.tensor_parallel_degree", "8",
          "--job.print_args", "true"],
         ngpu=64,
         comm_mode="fake_backend",

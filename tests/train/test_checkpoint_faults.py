@@ -334,7 +334,7 @@ def test_divergence_names_the_last_verified_checkpoint_saved_before_the_loss_wen
 
 # ---------------------------------------------------------------- launches on 2 ranks
 
-LAUNCH = ["--training.seq_len", "32", "--training.local_batch_size", "1", "--metrics.peak_tflops", "1",
+LAUNCH = ["--model.name", "llama3", "--training.seq_len", "32", "--training.local_batch_size", "1", "--metrics.peak_tflops", "1",
           "--metrics.enable_tensorboard", "false", "--model.n_layers", "2",
           "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
 

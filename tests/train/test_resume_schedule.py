@@ -102,7 +102,7 @@ def test_the_kept_schedule_drives_the_lr_and_is_saved_again(tmp_path: Path) -> N
 @pytest.mark.multirank
 def test_a_resume_with_more_steps_warns_before_launch_and_keeps_the_schedule_when_asked(tmp_path: Path) -> None:
     first = tmp_path / "first"
-    common = ("--checkpoint.enable", "true", "--checkpoint.interval", "2", "--model.n_layers", "2")
+    common = ("--model.name", "llama3", "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--model.n_layers", "2")
     train(first, *common, steps=4, local_batch_size=2)
     state = json.loads((first / "checkpoint" / "step-4" / "train_state.json").read_text())
     assert state["lr_schedule"]["training.steps"] == 4, state

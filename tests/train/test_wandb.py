@@ -21,7 +21,7 @@ from torchtitan_autoparallel.errors import UserError
 def test_an_offline_run_gets_the_logged_values(tmp_path: Path) -> None:
     dump = tmp_path / "out"
     run = run_launcher(
-        ["--job.dump_folder", dump, "--training.steps", "2", "--training.seq_len", "32",
+        ["--job.dump_folder", dump, "--model.name", "llama3", "--training.steps", "2", "--training.seq_len", "32",
          "--training.local_batch_size", "1", "--metrics.peak_tflops", "1",
          "--metrics.enable_tensorboard", "false", "--metrics.enable_wandb", "true"],
         ngpu=2, config=LLAMA3_CONFIG, env={"WANDB_MODE": "offline"}, timeout=300,

@@ -73,7 +73,7 @@ def resolve_profile(job: JobConfig, runtime: Runtime):
 @functools.cache  # once per run: the profile is resolved for planning, the memory check and the plan check
 def _warn_unprofiled_gpu(gpu: str, name: str) -> None:
     logger.warning(f"no built-in cost profile for {gpu}: planning with {name}'s numbers; "
-                   "CALIBRATE=1 ./run_train.sh measures this cluster (README: Reading and checking a plan)")
+                   "CALIBRATE=1 ./run_train.sh measures this cluster (README: Calibration)")
 
 
 def _plan_kwargs(job: JobConfig, runtime: Runtime, degrees: tuple[int, int, int]) -> dict:
