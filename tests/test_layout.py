@@ -97,3 +97,11 @@ def test_no_module_import_cycles():
         if m not in state:
             visit(m, [m])
     assert cycles == [], "\n".join(cycles)
+
+
+def test_the_executor_takes_the_plan_not_the_planner_internals():
+    """execute/ runs an ExecutablePlan: it never reaches into the problem tables or the solvers."""
+    internals = ("planner.problem", "planner.solvers", "planner.solve")
+    reached = [f"{m}:{line} imports {t}" for m, p in MODULES.items() if m.startswith("execute")
+               for t, line, _ in project_imports(m, p) if t.startswith(internals)]
+    assert reached == [], "\n".join(reached)

@@ -105,15 +105,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.plan.api import plan_stages
+from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 # fp32 matmuls at TF32 rates, as when the committed tables were measured (docs/cost_model.md)
 from torchtitan_autoparallel.planner.cost.profiles import for_matmul_precision, load_profile
 c = json.loads(sys.argv[1])
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=c["world"])
 mesh = init_device_mesh("cpu", tuple(c["sizes"]), mesh_dim_names=tuple(c["names"]))
 model = build_meta_model(c["family"], c["flavor"], None)
-stages = plan_stages(model, mesh, global_batch_size=c["dp"], seq_len=c["seq_len"],
-                     profile=for_matmul_precision(load_profile("h100"), "high"), solver="approx", time_limit_s=600,
-                     export_problem=c["path"])
+stages = plan_stages(model, mesh, PlannerOptions(
+    global_batch_size=c["dp"], seq_len=c["seq_len"], profile=for_matmul_precision(load_profile("h100"), "high"),
+    solver="approx", time_limit_s=600, export_problem=c["path"]))
 t = stages.plan.timings
 print("RESULT " + json.dumps({k: t.get(k) for k in ("trace", "strategies", "build")}))
 """

@@ -55,9 +55,9 @@ import json, sys
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torchtitan_autoparallel.execute.placements import chosen_strategies
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.plan.api import plan_stages
+from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 # fp32 matmuls at TF32 rates, as when the committed tables were measured (docs/cost_model.md)
 from torchtitan_autoparallel.planner.cost.profiles import for_matmul_precision, load_profile
 from torchtitan_autoparallel.planner.strategies.strided import has_strided
@@ -69,10 +69,11 @@ for s in c["mesh_sizes"]:
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 mesh = init_device_mesh("cpu", tuple(c["mesh_sizes"]), mesh_dim_names=("dp_shard", "tp"))
 model = build_meta_model("llama3", c["flavor"], c["n_layers"])
-st = plan_stages(model, mesh, global_batch_size=c["local_batch"] * c["mesh_sizes"][0], seq_len=c["seq_len"],
-                 profile=for_matmul_precision(load_profile(c["profile"]), "high"), time_limit_s=c["time_limit_s"],
-                 strided_sharding=c["strided"])
-chosen = chosen_strategies(st.built, st.solution)
+st = plan_stages(model, mesh, PlannerOptions(
+    global_batch_size=c["local_batch"] * c["mesh_sizes"][0], seq_len=c["seq_len"],
+    profile=for_matmul_precision(load_profile(c["profile"]), "high"), time_limit_s=c["time_limit_s"],
+    strided_sharding=c["strided"]))
+chosen = st.chosen
 strided = {n: s for n, s in chosen.items() if any(map(has_strided, (*s.outputs, *s.inputs)))}
 factors = sorted({int(p.split_factor) for s in strided.values() for ps in (*s.outputs, *s.inputs) if ps
                   for p in ps if isinstance(p, _StridedShard)})

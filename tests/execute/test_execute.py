@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from torchtitan_autoparallel.execute import kernels
-from torchtitan_autoparallel.execute.agree import Fingerprint, first_difference
+from torchtitan_autoparallel.planner.plan.agree import Fingerprint, first_difference
 from torchtitan_autoparallel.execute.audit import executed_collectives, expected_collectives
 from torchtitan_autoparallel.execute.layout import match_layout, physical_order
 from torchtitan_autoparallel.execute.parity import ParityConfig, parse_mesh, reference_losses
@@ -235,6 +235,7 @@ def test_parameters_are_placed_as_planned_and_bound_to_a_model(mesh2):
     from torchtitan_autoparallel.execute.step import FullValues, build_executable
     from torchtitan_autoparallel.models.registry import build_meta_model
     from torchtitan_autoparallel.planner.cost.profiles import load_profile
+    from torchtitan_autoparallel.planner.plan.api import ExecutablePlan
     from torchtitan_autoparallel.planner.plan.plan import plan_from_solution
     from torchtitan_autoparallel.planner.problem.build import build_problem
     from torchtitan_autoparallel.planner.solvers import get_solver
@@ -247,7 +248,7 @@ def test_parameters_are_placed_as_planned_and_bound_to_a_model(mesh2):
     solution = get_solver("ilp").solve(built.problem, 120)
     plan = plan_from_solution(solution, built, traced)
     full = full_model(ParityConfig(), layers=1)
-    step = build_executable(traced, built, solution, mesh2, FullValues.of(full))
+    step = build_executable(ExecutablePlan(plan, traced, built, solution), mesh2, FullValues.of(full))
     for fqn, param in step.params.items():
         assert [placement_str(p) for p in param.placements] == plan.parameters[fqn], fqn
         # rank 0 keeps the first slice of the full init: no data moved, values unchanged

@@ -19,15 +19,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from torchtitan_autoparallel.execute import cache
-from torchtitan_autoparallel.execute.cache import cache_key, cached_solve_hook, plan_settings
+from torchtitan_autoparallel.planner.plan import cache
+from torchtitan_autoparallel.planner.plan.cache import cache_key, cached_solve_hook, plan_settings
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.cost.profiles import load_profile
 from torchtitan_autoparallel.planner.plan.api import plan_stages
+from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.problem.build import BuiltProblem
 from torchtitan_autoparallel.planner.solvers.base import Solution
 
-PLAN_KWARGS = dict(global_batch_size=4, seq_len=32, profile=load_profile("h100"), time_limit_s=60)
+OPTIONS = PlannerOptions(global_batch_size=4, seq_len=32, profile=load_profile("h100"), time_limit_s=60)
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +50,9 @@ def mesh():
 def planned(mesh, tmp_path_factory):
     """(built problem, its solution, the settings) from one real plan through the cache hook."""
     folder = tmp_path_factory.mktemp("plan_cache")
-    settings = plan_settings(mesh, PLAN_KWARGS, {"model": "llama3/debugmodel/2"})
+    settings = plan_settings(mesh, OPTIONS, {"model": "llama3/debugmodel/2"})
     model = build_meta_model("llama3", "debugmodel", n_layers=2)
-    stages = plan_stages(model, mesh, solve_hook=cached_solve_hook(folder, settings), **PLAN_KWARGS)
+    stages = plan_stages(model, mesh, OPTIONS, solve_hook=cached_solve_hook(folder, settings))
     assert (folder / f"{cache_key(stages.built, settings)}.json").is_file()  # the first start-up stored it
     return stages.built, stages.solution, settings
 
@@ -105,10 +106,10 @@ def test_a_changed_setting_changes_the_key_and_plans_again(planned, tmp_path, ch
 
 
 def test_settings_are_plain_json_and_profile_is_priced_by_its_numbers(mesh):
-    settings = plan_settings(mesh, {**PLAN_KWARGS, "param_dtype": torch.bfloat16, "export_problem": "x.npz"})
+    settings = plan_settings(mesh, OPTIONS.replace(param_dtype=torch.bfloat16, export_problem="x.npz"))
     json.dumps(settings)  # a key must hash the same in every process
     assert settings["param_dtype"] == "torch.bfloat16" and "export_problem" not in settings
-    assert settings["profile"]["peak_tflops"] == PLAN_KWARGS["profile"].to_dict()["peak_tflops"]
+    assert settings["profile"]["peak_tflops"] == OPTIONS.profile.to_dict()["peak_tflops"]
     assert settings["mesh_shape"] == [dist.get_world_size()] and settings["mesh_dim_names"] == ["dp_shard"]
 
 

@@ -27,6 +27,7 @@ from torchtitan_autoparallel import jit
 from torchtitan_autoparallel.planner.cost import pricer
 from torchtitan_autoparallel.planner.problem import sums
 from torchtitan_autoparallel.planner.plan.api import plan_stages
+from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.cost.profiles import load_profile
 from torchtitan_autoparallel.planner.solvers import kernels, local_search, mrf, trws
 
@@ -39,7 +40,7 @@ out = {}
 for shape, names in (((8,), ("dp_shard",)), ((2, 4), ("dp_shard", "tp"))):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     stages = plan_stages(build_meta_model("llama3", "debugmodel", n_layers=2), mesh,
-                       global_batch_size=8, seq_len=128, profile=load_profile("h100"))
+                         PlannerOptions(global_batch_size=8, seq_len=128, profile=load_profile("h100")))
     out[len(shape)] = [stages.plan.objective, compiled_versions()]
 print("RESULT", json.dumps(out))
 """

@@ -11,7 +11,7 @@ import logging
 
 import numpy as np
 import pytest
-from test_launcher import LLAMA3_CONFIG
+from _run import LLAMA3_CONFIG
 from test_overlap import _layered_problem
 from test_solvers import random_problem
 from test_solvers_fast import assert_scored
@@ -208,10 +208,13 @@ def test_config_accepts_a_gap_in_zero_to_one_and_refuses_others() -> None:
 def test_the_plan_cache_key_covers_the_gap(fake_world) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torchtitan_autoparallel.execute.cache import plan_settings
+    from torchtitan_autoparallel.planner.cost.profiles import load_profile
+    from torchtitan_autoparallel.planner.plan.cache import plan_settings
+    from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 
     mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
-    assert plan_settings(mesh, {"mip_gap": None}) != plan_settings(mesh, {"mip_gap": 0.01})
+    options = PlannerOptions(global_batch_size=8, seq_len=64, profile=load_profile("h100"))
+    assert plan_settings(mesh, options) != plan_settings(mesh, options.replace(mip_gap=0.01))
 
 
 @pytest.mark.parametrize(
@@ -241,12 +244,13 @@ def test_plan_stages_passes_the_gap_to_the_solver(fake_world) -> None:
     from torchtitan_autoparallel.models.registry import build_meta_model
     from torchtitan_autoparallel.planner.cost.profiles import load_profile
     from torchtitan_autoparallel.planner.plan.api import plan_stages
+    from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 
     model = build_meta_model("llama3", "debugmodel", n_layers=2)
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_shard", "tp"))
-    kwargs = dict(global_batch_size=8, seq_len=256, profile=load_profile("h100"), time_limit_s=120)
-    exact = plan_stages(model, mesh, **kwargs)
-    gapped = plan_stages(model, mesh, mip_gap=0.05, **kwargs)
+    options = PlannerOptions(global_batch_size=8, seq_len=256, profile=load_profile("h100"), time_limit_s=120)
+    exact = plan_stages(model, mesh, options)
+    gapped = plan_stages(model, mesh, options.replace(mip_gap=0.05))
     assert exact.solution.status == "optimal"
     assert_within(gapped.solution, exact.solution.objective, 0.05)
     assert gapped.solution.status == "feasible"

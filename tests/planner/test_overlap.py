@@ -169,12 +169,13 @@ def test_debug_model_plan_with_overlap_saves_time():
     from torchtitan_autoparallel.models.registry import build_meta_model
     from torchtitan_autoparallel.planner.cost.profiles import load_profile
     from torchtitan_autoparallel.planner.plan.api import plan_stages
+    from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 
     mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
     model = build_meta_model("llama3", "debugmodel", n_layers=1)
-    kwargs = dict(global_batch_size=8, seq_len=64, profile=load_profile("h100"), time_limit_s=60)
-    plain = plan_stages(model, mesh, **kwargs).plan
-    stages = plan_stages(model, mesh, overlap=True, **kwargs)
+    options = PlannerOptions(global_batch_size=8, seq_len=64, profile=load_profile("h100"), time_limit_s=60)
+    plain = plan_stages(model, mesh, options).plan
+    stages = plan_stages(model, mesh, options.replace(overlap=True))
     plan = stages.plan
     p = plan.predicted
     assert p["overlap_savings_us"] > 0
@@ -193,10 +194,10 @@ def test_the_config_flag_reaches_the_planner():
 
     job = JobConfig()
     runtime = SimpleNamespace(device_type="cpu", fake=False)
-    assert auto._plan_kwargs(job, runtime, (1, 1, 1))["overlap"] is False
+    assert auto.planner_options(job, runtime, (1, 1, 1)).overlap is False
     job.autoparallel.overlap = True
-    assert auto._plan_kwargs(job, runtime, (1, 1, 1))["overlap"] is True
-    assert auto._cache_settings(job)["knobs"]["overlap"] is True
+    assert auto.planner_options(job, runtime, (1, 1, 1)).overlap is True
+    assert auto.planner_options(job, runtime, (1, 1, 1)).cache_settings()["overlap"] is True
 
 
 # --- overlap on the presolved problem (solvers/overlap_presolve.py) -----------------------
@@ -352,14 +353,15 @@ def test_debug_model_overlap_with_and_without_presolve_agree():
     from torchtitan_autoparallel.models.registry import build_meta_model
     from torchtitan_autoparallel.planner.cost.profiles import load_profile
     from torchtitan_autoparallel.planner.plan.api import plan_stages
+    from torchtitan_autoparallel.planner.plan.options import PlannerOptions
     from torchtitan_autoparallel.planner.plan.overlap import overlap_spec
     from torchtitan_autoparallel.planner.solvers.overlap import OVERLAP_MIP_GAP
     from torchtitan_autoparallel.planner.solvers.overlap_presolve import overlap_presolve
 
     mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
     model = build_meta_model("llama3", "debugmodel", n_layers=2)
-    stages = plan_stages(model, mesh, global_batch_size=8, seq_len=64, profile=load_profile("h100"),
-                         time_limit_s=60)
+    stages = plan_stages(model, mesh, PlannerOptions(global_batch_size=8, seq_len=64, profile=load_profile("h100"),
+                                                     time_limit_s=60))
     problem, spec = stages.built.problem, overlap_spec(stages.built, stages.traced)
     assert overlap_presolve(problem, spec).reduced.num_nodes < problem.num_nodes
     a = OverlapSolver(spec, presolve=True).solve(problem, 120)

@@ -174,13 +174,15 @@ def test_debug_model_plans_with_overlap_on_the_approximate_solver():
     from torchtitan_autoparallel.models.registry import build_meta_model
     from torchtitan_autoparallel.planner.cost.profiles import load_profile
     from torchtitan_autoparallel.planner.plan.api import plan_stages
+    from torchtitan_autoparallel.planner.plan.options import PlannerOptions
     from torchtitan_autoparallel.planner.plan.overlap import overlap_spec
 
     mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
     model = build_meta_model("llama3", "debugmodel", n_layers=1)
-    kwargs = dict(global_batch_size=8, seq_len=64, profile=load_profile("h100"), time_limit_s=60)
-    plain = plan_stages(model, mesh, solver="approx", **kwargs)
-    stages = plan_stages(model, mesh, solver="approx", overlap=True, **kwargs)
+    options = PlannerOptions(global_batch_size=8, seq_len=64, profile=load_profile("h100"), time_limit_s=60,
+                             solver="approx")
+    plain = plan_stages(model, mesh, options)
+    stages = plan_stages(model, mesh, options.replace(overlap=True))
     plan, p = stages.plan, stages.plan.predicted
     assert plan.solver == "approx-trws+overlap"
     assert plan.objective == pytest.approx(p["effective_us"], rel=1e-6)

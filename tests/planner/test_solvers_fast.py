@@ -477,17 +477,20 @@ def test_registry_and_config_name_the_solvers() -> None:
 
 
 def test_cache_key_covers_the_optimality_check() -> None:
-    from torchtitan_autoparallel.train.auto import _cache_settings
+    from types import SimpleNamespace
 
-    on = _cache_settings(load_config(["--autoparallel.optimality_check", "true"]))
-    off = _cache_settings(load_config([]))
-    assert on != off
+    from torchtitan_autoparallel.train.auto import planner_options
+
+    runtime = SimpleNamespace(device_type="cpu", fake=False)
+    on = planner_options(load_config(["--autoparallel.optimality_check", "true"]), runtime, (1, 1, 1))
+    off = planner_options(load_config([]), runtime, (1, 1, 1))
+    assert on.cache_settings() != off.cache_settings()
 
 
 @pytest.mark.parametrize("overlap_on,warned", [("true", True), ("false", False)])
 def test_optimality_check_with_overlap_is_flagged(overlap_on: str, warned: bool, capsys) -> None:
     """The check's LP bounds the objective without savings, so overlap solves skip it."""
-    from test_launcher import LLAMA3_CONFIG
+    from _run import LLAMA3_CONFIG
 
     from torchtitan_autoparallel.launch import preflight
 
@@ -511,13 +514,14 @@ def test_ilp_on_a_large_problem_names_the_quicker_solver(fake_world, monkeypatch
     from torchtitan_autoparallel.models.registry import build_meta_model
     from torchtitan_autoparallel.planner.cost.profiles import load_profile
     from torchtitan_autoparallel.planner.plan.api import plan_stages
+    from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 
     if large:
         monkeypatch.setattr(auto_module, "EXACT_MAX_ENTRIES", 0)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
     with caplog.at_level(logging.INFO, logger="torchtitan_autoparallel.planner"):
-        plan_stages(build_meta_model("llama3", "debugmodel", n_layers=1), mesh, global_batch_size=2, seq_len=16,
-                    profile=load_profile("h100"), solver=solver)
+        plan_stages(build_meta_model("llama3", "debugmodel", n_layers=1), mesh,
+                    PlannerOptions(global_batch_size=2, seq_len=16, profile=load_profile("h100"), solver=solver))
     hint = re.search(r"solver = ilp on a large problem \([\d,]+ pairwise entries > 0\): .* solver = auto", caplog.text)
     assert bool(hint) == hinted, caplog.text[-2000:]
 
@@ -532,13 +536,12 @@ def debug_stages(fake_world):
     from torchtitan_autoparallel.models.registry import build_meta_model
     from torchtitan_autoparallel.planner.cost.profiles import load_profile
     from torchtitan_autoparallel.planner.plan.api import plan_stages
+    from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 
     model = build_meta_model("llama3", "debugmodel", n_layers=3)
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_shard", "tp"))
-    return plan_stages(
-        model, mesh, global_batch_size=8, seq_len=256, profile=load_profile("h100"),
-        solver="approx", optimality_check=True,
-    )
+    return plan_stages(model, mesh, PlannerOptions(global_batch_size=8, seq_len=256, profile=load_profile("h100"),
+                                                   solver="approx", optimality_check=True))
 
 
 def test_plan_stages_runs_approx_with_the_optimality_check(debug_stages) -> None:

@@ -170,11 +170,11 @@ def test_option_reaches_the_planner_from_the_job(monkeypatch):
 
     job = JobConfig()
     runtime = SimpleNamespace(device_type="cpu", fake=False)
-    assert auto._plan_kwargs(job, runtime, (1, 1, 1))["strided_sharding"] is False
+    assert auto.planner_options(job, runtime, (1, 1, 1)).strided_sharding is False
     job.autoparallel.strided_sharding = True
-    kwargs = auto._plan_kwargs(job, runtime, (1, 1, 1))
-    assert kwargs["strided_sharding"] is True
-    assert auto._cache_settings(job)["knobs"]["strided_sharding"] is True
+    options = auto.planner_options(job, runtime, (1, 1, 1))
+    assert options.strided_sharding is True
+    assert options.cache_settings()["strided_sharding"] is True
     seen = {}
 
     def fake_enumerate(traced, mesh, strided_sharding=False):
@@ -185,7 +185,7 @@ def test_option_reaches_the_planner_from_the_job(monkeypatch):
     monkeypatch.setattr(api, "enumerate_strategies", fake_enumerate)
     mesh = SimpleNamespace(mesh_dim_names=("dp_shard",), mesh=torch.zeros(1))
     with pytest.raises(RuntimeError, match="stop here"):
-        api.plan_stages(None, mesh, **kwargs)
+        api.plan_stages(None, mesh, options)
     assert seen["strided"] is True
 
 

@@ -123,10 +123,10 @@ class _CollectiveDtypes(TorchDispatchMode):
 
 def _planned_reductions(planned) -> list[tuple[torch.dtype, bool]]:
     """(dtype, reduces a parameter gradient) of every planned edge that reduces a Partial."""
-    traced, chosen = planned.traced, planned.step.chosen
+    traced, chosen = planned.executable.traced, planned.step.chosen
     grad_only = _feeds_only_gradients(traced)
     found = []
-    for parts in planned.built.edge_parts:
+    for parts in planned.executable.built.edge_parts:
         for part in parts:
             src = chosen[part.producer].outputs[part.output_index]
             s = chosen[part.consumer]
@@ -154,7 +154,7 @@ def _feeds_only_gradients(traced: TracedStep) -> set:
 def test_bf16_plan_reduces_gradients_in_fp32(fsdp_bf16):
     planned, _, _ = fsdp_bf16
     grad_reductions = [dtype for dtype, is_grad in _planned_reductions(planned) if is_grad]
-    assert len(grad_reductions) >= len(planned.traced.params) // 2, "expected an FSDP plan that reduces gradients"
+    assert len(grad_reductions) >= len(planned.executable.traced.params) // 2, "expected an FSDP plan that reduces gradients"
     assert set(grad_reductions) == {torch.float32}
 
 

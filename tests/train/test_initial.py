@@ -156,6 +156,6 @@ def test_values_scatter_from_the_mesh_first_rank_only(fake_world) -> None:
 
     scattered = FullValues({}, {}, src_rank=0)
     with pytest.raises(ValueError, match=r"src_rank 0 on mesh \[\[1, 0\]\]: .* must be the mesh's first rank"):
-        build_executable(None, None, None, DeviceMesh("cpu", [[1, 0]]), scattered)
+        build_executable(None, DeviceMesh("cpu", [[1, 0]]), scattered)
     with pytest.raises(ValueError, match=r"src_rank 1 on mesh"):
-        build_executable(None, None, None, DeviceMesh("cpu", [[0, 1]]), FullValues({}, {}, src_rank=1))
+        build_executable(None, DeviceMesh("cpu", [[0, 1]]), FullValues({}, {}, src_rank=1))

@@ -2,12 +2,12 @@
 
 Public entry points:
 
-* ``build_executable(traced, built, solution, mesh, FullValues(...))
-  -> PlannedStep``: parameters placed as planned, ``step(tokens, labels) ->
+* ``build_executable(executable_plan, mesh, FullValues(...)) -> PlannedStep``: parameters placed as planned, ``step(tokens, labels) ->
   (loss, grads)`` running the joint graph with exactly the planned
   redistributions;
-* ``plan_and_build(...)``: trace, enumerate and build on every rank, solve on
-  rank 0, check and broadcast, then ``build_executable``;
+* ``plan_and_build(model, mesh, full_values, PlannerOptions(...))``: plan on every
+  rank, solve on rank 0, check and broadcast (``planner/plan/agree.py``), then
+  ``build_executable``;
 * ``build_adamw`` / ``optimizer_step`` / ``clip_grad_norm``: the optimizer
   over DTensor parameters with global-norm clipping;
 * ``audit(planned_step, plan, tokens, labels) -> (expected, executed)``;
@@ -17,14 +17,6 @@ Public entry points:
   builds that graph on its first run (``backend.py``).
 """
 
-from torchtitan_autoparallel.execute.agree import (
-    PlanMismatch,
-    RemoteSolveError,
-    agree_on_solution,
-    check_same_problem,
-    fingerprint,
-    solve_on_rank0,
-)
 from torchtitan_autoparallel.execute.audit import audit, executed_collectives, expected_collectives
 from torchtitan_autoparallel.execute.interpreter import PlanExecutionError, StepOutput
 from torchtitan_autoparallel.execute.optim import build_adamw, clip_grad_norm, global_grad_norm, optimizer_step
@@ -33,23 +25,17 @@ from torchtitan_autoparallel.execute.step import FullValues, PlannedStep, build_
 
 __all__ = [
     "PlanExecutionError",
-    "PlanMismatch",
     "PlannedStep",
     "PlannedTraining",
-    "RemoteSolveError",
     "StepOutput",
-    "agree_on_solution",
     "audit",
     "build_adamw",
     "build_executable",
     "FullValues",
-    "check_same_problem",
     "clip_grad_norm",
     "executed_collectives",
     "expected_collectives",
-    "fingerprint",
     "global_grad_norm",
     "optimizer_step",
     "plan_and_build",
-    "solve_on_rank0",
 ]

@@ -37,10 +37,10 @@ import torch.distributed as dist
 from torch import fx
 
 from torchtitan_autoparallel.execute.bucketing import BucketStats, check_same_buckets
-from torchtitan_autoparallel.execute.cache import package_version
 from torchtitan_autoparallel.execute.graph_io import PackedGraph, pack, unpack
 from torchtitan_autoparallel.execute.overlap import OverlapStats, group_name, is_collective
 from torchtitan_autoparallel.execute.step import PlannedStep
+from torchtitan_autoparallel.planner.plan.cache import package_version
 
 log = logging.getLogger("torchtitan_autoparallel.execute")
 

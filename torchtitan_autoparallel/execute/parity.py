@@ -30,12 +30,12 @@ from torchtitan_autoparallel.execute.audit import audit
 from torchtitan_autoparallel.execute.compiled import graph_collectives
 from torchtitan_autoparallel.execute.optim import build_adamw, optimizer_step
 from torchtitan_autoparallel.execute.pipeline import plan_and_build
-from torchtitan_autoparallel.execute.placements import chosen_strategies
 from torchtitan_autoparallel.execute.step import FullValues
 from torchtitan_autoparallel.mesh.runtime import exit_process
 from torchtitan_autoparallel.models.loss import cross_entropy_loss
 from torchtitan_autoparallel.models.registry import build_meta_model, build_model_config
 from torchtitan_autoparallel.planner.cost.profiles import load_profile
+from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.strategies.strided import has_strided
 
 
@@ -128,14 +128,16 @@ def plan_parity(cfg: ParityConfig, mesh, full: nn.Module, layers: int | None = N
         build_meta_model(cfg.family, "debugmodel", n_layers=cfg.layers if layers is None else layers),
         mesh,
         lambda plan: FullValues.of(full),
-        global_batch_size=cfg.batch,
-        seq_len=cfg.seq_len,
-        profile=load_profile("h100" if mesh.device_type == "cuda" else "cpu_gloo"),
+        PlannerOptions(
+            global_batch_size=cfg.batch,
+            seq_len=cfg.seq_len,
+            profile=load_profile("h100" if mesh.device_type == "cuda" else "cpu_gloo"),
+            strided_sharding=bool(cfg.strided_sharding),
+            overlap=bool(cfg.plan_overlap),
+            solver=cfg.solver,
+            **planner_kwargs,
+        ),
         portable_kernels=bool(cfg.portable_kernels),
-        strided_sharding=bool(cfg.strided_sharding),
-        overlap=bool(cfg.plan_overlap),
-        solver=cfg.solver,
-        **planner_kwargs,
     )
 
 
@@ -195,7 +197,7 @@ def run_planned(
 
 def _strided_nodes(planned) -> int:
 
-    chosen = chosen_strategies(planned.built, planned.solution).values()
+    chosen = planned.executable.chosen.values()
     return sum(any(map(has_strided, (*s.outputs, *s.inputs))) for s in chosen)
 
 

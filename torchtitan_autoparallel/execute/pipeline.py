@@ -17,13 +17,11 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan_autoparallel.execute.cache import cached_solve_hook, plan_settings
 from torchtitan_autoparallel.execute.step import FullValues, PlannedStep, build_executable
-from torchtitan_autoparallel.planner.plan.api import plan_stages
+from torchtitan_autoparallel.planner.plan.api import ExecutablePlan, plan_stages
+from torchtitan_autoparallel.planner.plan.cache import cached_solve_hook, plan_settings
+from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.plan.plan import Plan
-from torchtitan_autoparallel.planner.problem.build import BuiltProblem
-from torchtitan_autoparallel.planner.solvers.base import Solution
-from torchtitan_autoparallel.planner.trace.trace import TracedStep
 
 log = logging.getLogger("torchtitan_autoparallel.execute")
 
@@ -32,43 +30,33 @@ log = logging.getLogger("torchtitan_autoparallel.execute")
 class PlannedTraining:
     plan: Plan
     step: PlannedStep
-    traced: TracedStep
-    built: BuiltProblem
-    solution: Solution
+    executable: ExecutablePlan
 
 
 def plan_and_build(
     model: nn.Module,
     mesh: DeviceMesh,
     full_values: Callable[[Plan], FullValues],
+    options: PlannerOptions,
     *,
     portable_kernels: bool = False,
     plan_cache_dir: str | Path | None = None,
     cache_settings: dict[str, Any] | None = None,
-    **plan_kwargs,
 ) -> PlannedTraining:
     """Plan ``model`` (meta device is fine) on every rank, agree on rank 0's
     solution, and place the values ``full_values(plan)`` gives. They are asked
     for only once the plan is known, so a plan that cannot fit is reported
-    before the whole model is built. ``plan_kwargs`` as ``plan_stages``.
+    before the whole model is built.
 
     With ``plan_cache_dir``, rank 0 reuses a stored solution for the same key
-    (``cache.py``); ``cache_settings`` adds to the key what the traced graph
-    cannot show (model config, knobs)."""
+    (``planner/plan/cache.py``); ``cache_settings`` adds to the key what the traced
+    graph cannot show (model config, knobs)."""
     start = time.perf_counter()
-    # Without a folder this is plain agree_on_solution, as before.
-    hook = cached_solve_hook(plan_cache_dir, plan_settings(mesh, plan_kwargs, cache_settings))
-    stages = plan_stages(model, mesh, solve_hook=hook, **plan_kwargs)
-    step = build_executable(
-        stages.traced,
-        stages.built,
-        stages.solution,
-        mesh,
-        full_values(stages.plan),
-        portable_kernels=portable_kernels,
-    )
-    plan = stages.plan
+    hook = cached_solve_hook(plan_cache_dir, plan_settings(mesh, options, cache_settings))
+    executable = plan_stages(model, mesh, options, solve_hook=hook)
+    step = build_executable(executable, mesh, full_values(executable.plan), portable_kernels=portable_kernels)
+    plan = executable.plan
     plan.timings["place"] = time.perf_counter() - start - plan.timings["total"]
     plan.timings["total"] = time.perf_counter() - start
     log.info("plan agreed and placed in %.2f s", plan.timings["total"])
-    return PlannedTraining(plan, step, stages.traced, stages.built, stages.solution)
+    return PlannedTraining(plan, step, executable)

@@ -27,10 +27,9 @@ from torchtitan_autoparallel.execute.compiled import loss_only_graph, run_local_
 from torchtitan_autoparallel.execute.interpreter import ExecutionModes, PlanExecutionError, PlannedInterpreter, StepOutput
 from torchtitan_autoparallel.execute.kernels import check_logsumexp_users
 from torchtitan_autoparallel.execute.overlap import OverlapStats, schedule_overlap
-from torchtitan_autoparallel.execute.placements import chosen_strategies, placements_text
+from torchtitan_autoparallel.execute.placements import placements_text
 from torchtitan_autoparallel.execute.redistribute import redistribute_to
-from torchtitan_autoparallel.planner.problem.build import BuiltProblem
-from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.plan.api import ExecutablePlan
 from torchtitan_autoparallel.planner.strategies.placement import Placements
 from torchtitan_autoparallel.planner.strategies.strategy import Strategy
 from torchtitan_autoparallel.planner.trace.trace import TracedStep
@@ -270,13 +269,7 @@ class FullValues:
 
 
 def build_executable(
-    traced: TracedStep,
-    built: BuiltProblem,
-    solution: Solution,
-    mesh: DeviceMesh,
-    full: FullValues,
-    *,
-    portable_kernels: bool = False,
+    executable: ExecutablePlan, mesh: DeviceMesh, full: FullValues, *, portable_kernels: bool = False
 ) -> PlannedStep:
     """Place the full parameters as planned and return the step that runs the plan."""
     if full.src_rank not in (None, 0) or (full.src_rank == 0 and int(mesh.mesh.flatten()[0]) != 0):
@@ -284,7 +277,7 @@ def build_executable(
             f"src_rank {full.src_rank} on mesh {mesh.mesh.tolist()}: values are scattered from global "
             "rank 0 only, which must be the mesh's first rank (DTensor scatters from coordinate 0)"
         )
-    chosen = chosen_strategies(built, solution)
+    traced, chosen = executable.traced, executable.chosen
     params = {
         fqn: nn.Parameter(_place(fqn, full.params, node, chosen, mesh, full.src_rank))
         for fqn, node in traced.params.items()

@@ -27,7 +27,6 @@ import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import runpy
-import signal
 import socket
 import sys
 import threading

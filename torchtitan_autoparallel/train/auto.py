@@ -27,7 +27,8 @@ from torchtitan_autoparallel.execute.optim import optimizer_step
 from torchtitan_autoparallel.execute.pipeline import plan_and_build
 from torchtitan_autoparallel.mesh.runtime import Runtime
 from torchtitan_autoparallel.planner.cost.profiles import default_profile_name, gpu_profile_name, load_profile
-from torchtitan_autoparallel.planner.plan.api import plan_training_step
+from torchtitan_autoparallel.planner.plan.api import plan_stages
+from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem
 from torchtitan_autoparallel.planner.solvers.ilp import SolverTimeout
 from torchtitan_autoparallel.report.common import GIB, memory_fit, peak_summary, plan_warnings
@@ -76,9 +77,10 @@ def _warn_unprofiled_gpu(gpu: str, name: str) -> None:
                    "CALIBRATE=1 ./run_train.sh measures this cluster (README: Calibration)")
 
 
-def _plan_kwargs(job: JobConfig, runtime: Runtime, degrees: tuple[int, int, int]) -> dict:
+def planner_options(job: JobConfig, runtime: Runtime, degrees: tuple[int, int, int]) -> PlannerOptions:
+    """The planner's options, built once from the job."""
     t, a = job.training, job.autoparallel
-    return dict(
+    return PlannerOptions(
         global_batch_size=t.local_batch_size * degrees[0] * degrees[1],
         seq_len=t.seq_len,
         param_dtype=_DTYPES[t.mixed_precision_param],
@@ -93,23 +95,13 @@ def _plan_kwargs(job: JobConfig, runtime: Runtime, degrees: tuple[int, int, int]
         memory_budget_gib=a.memory_budget_gib,
         strided_sharding=a.strided_sharding,
         overlap=a.overlap,
+        export_problem=a.export_problem or None,
     )
 
 
 def _cache_settings(job: JobConfig) -> dict:
-    """What a plan depends on beyond the traced graph and the planner arguments."""
-    a = job.autoparallel
-    return {
-        "model": {"name": job.model.name, "flavor": job.model.flavor, "n_layers": job.model.n_layers},
-        "knobs": {
-            "overlap": a.overlap,
-            "strided_sharding": a.strided_sharding,
-            "activation_checkpoint": job.activation_checkpoint.mode,
-        },
-        # solver, backend and time limit are keyed as plan_stages arguments; the check
-        # changes the stored bound (and status)
-        "solver": {"optimality_check": a.optimality_check},
-    }
+    """What a plan depends on beyond the traced graph and the planner's options."""
+    return {"model": {"name": job.model.name, "flavor": job.model.flavor, "n_layers": job.model.n_layers}}
 
 
 @contextmanager
@@ -169,9 +161,8 @@ def plan_job(job: JobConfig, runtime: Runtime, model_config, degrees: tuple[int,
     mesh = build_auto_mesh(runtime, degrees)
     with torch.device("meta"):
         model = model_config.build()
-    export = job.autoparallel.export_problem or None
     with _planning_errors(job):
-        plan = plan_training_step(model, mesh, export_problem=export, **_plan_kwargs(job, runtime, degrees))
+        plan = plan_stages(model, mesh, planner_options(job, runtime, degrees)).plan
     _report_plan(job, runtime, plan)
     return plan
 
@@ -291,9 +282,9 @@ def build_auto_training(
             model,
             mesh,
             full_values,
+            planner_options(job, runtime, degrees),
             plan_cache_dir=Path(job.job.dump_folder) / "plan_cache" if job.autoparallel.plan_cache else None,
             cache_settings=_cache_settings(job),
-            **_plan_kwargs(job, runtime, degrees),
         )
     _report_plan(job, runtime, planned.plan)
     step = planned.step

@@ -1,13 +1,15 @@
-"""``plan_training_step``: model + mesh + knobs -> ``Plan``, stage by stage.
+"""``plan_stages``: model + mesh + ``PlannerOptions`` -> ``ExecutablePlan``, stage by stage.
 
 trace -> strategies -> build -> solve -> plan; each stage is timed and logged
-on the ``torchtitan_autoparallel.planner`` logger.
+on the ``torchtitan_autoparallel.planner`` logger. The executor takes the
+``ExecutablePlan`` whole: the graph, the chosen strategy of each node, the plan.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import operator
 import resource
 import sys
 import time
@@ -15,14 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-from torch import nn
+import numpy as np
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_autoparallel import jit
-from torchtitan_autoparallel.models.loss import cross_entropy_loss
 from torchtitan_autoparallel.planner.cost.profiles import HardwareProfile
 from torchtitan_autoparallel.planner.cost.step_terms import add_step_terms
+from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.plan.overlap import add_overlap_prediction, overlap_spec
 from torchtitan_autoparallel.planner.plan.plan import Plan, plan_from_solution
 from torchtitan_autoparallel.planner.problem.build import BuiltProblem, build_problem
@@ -32,20 +34,42 @@ from torchtitan_autoparallel.planner.solvers.auto import choose
 from torchtitan_autoparallel.planner.solvers.base import Solution
 from torchtitan_autoparallel.planner.solvers.overlap import overlap_solver
 from torchtitan_autoparallel.planner.strategies.repeats import repeated_layer_ties
-from torchtitan_autoparallel.planner.strategies.strategy import enumerate_strategies
-from torchtitan_autoparallel.planner.trace.trace import BatchSpec, LossFn, TracedStep, trace_training_step
+from torchtitan_autoparallel.planner.strategies.strategy import Strategy, enumerate_strategies
+from torchtitan_autoparallel.planner.trace.trace import TracedStep, trace_training_step
 
 log = logging.getLogger("torchtitan_autoparallel.planner")
 
 
 @dataclass
-class PlannedStages:
-    """The plan and what produced it (the executor needs the graph and the solution too)."""
+class ExecutablePlan:
+    """The plan and what the executor runs it from: the traced graph and each node's chosen strategy."""
 
     plan: Plan
     traced: TracedStep
     built: BuiltProblem
     solution: Solution
+
+    @functools.cached_property
+    def chosen(self) -> dict[fx.Node, Strategy]:
+        """Graph node -> the strategy the solution picked for it."""
+        return chosen_strategies(self.built, self.solution)
+
+
+def chosen_strategies(built: BuiltProblem, solution: Solution) -> dict[fx.Node, Strategy]:
+    x = np.asarray(solution.assignment, dtype=np.int64)
+    if len(x) != len(built.nodes):
+        raise ValueError(
+            f"solution assigns {len(x)} nodes but the problem has {len(built.nodes)}; "
+            "was it solved for another trace?"
+        )
+    chosen: dict[fx.Node, Strategy] = {}
+    for i, node in enumerate(built.nodes):
+        candidates = built.strategies(node)
+        k = int(x[i])
+        if not 0 <= k < len(candidates):
+            raise ValueError(f"node {node.name}: strategy {k} out of range (it has {len(candidates)})")
+        chosen[node] = candidates[k]
+    return chosen
 
 
 # Given the built problem and the plain solve, return the solution to use
@@ -53,120 +77,90 @@ class PlannedStages:
 SolveHook = Callable[[BuiltProblem, Callable[[], Solution]], Solution]
 
 
-def plan_training_step(model: nn.Module, mesh: DeviceMesh, **kwargs) -> Plan:
+def plan_training_step(model: nn.Module, mesh: DeviceMesh, **options) -> Plan:
     """Choose a placement for every tensor of one training step on ``mesh``.
 
-    Keyword arguments as ``plan_stages``; returns only the ``Plan``.
+    Keyword arguments are ``PlannerOptions``' fields; returns only the ``Plan``.
     """
-    return plan_stages(model, mesh, **kwargs).plan
+    return plan_stages(model, mesh, PlannerOptions(**options)).plan
 
 
-def _loops_for_mesh(plan: Callable[..., PlannedStages]) -> Callable[..., PlannedStages]:
+def _loops_for_mesh(plan: Callable[..., ExecutablePlan]) -> Callable[..., ExecutablePlan]:
     """Run the planner's loops as Python on a mesh with one dim over 1 and compiled on larger ones
     (``jit.py``): a 1-D problem has a few strategies per node, which Python plans in
     seconds, less than compiling the loops takes on a machine's first run (minutes)."""
 
     @functools.wraps(plan)
-    def run(model: nn.Module, mesh: DeviceMesh, **kwargs) -> PlannedStages:
+    def run(model: nn.Module, mesh: DeviceMesh, *args, **kwargs) -> ExecutablePlan:
         with jit.compiled(sum(size > 1 for size in mesh.mesh.shape) > 1):  # dims of size 1 add no strategies
-            return plan(model, mesh, **kwargs)
+            return plan(model, mesh, *args, **kwargs)
 
     return run
 
 
 @_loops_for_mesh
 def plan_stages(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    *,
-    global_batch_size: int,
-    seq_len: int,
-    param_dtype: torch.dtype = torch.float32,
-    reduce_dtype: torch.dtype = torch.float32,
-    profile: HardwareProfile,
-    solver: str = "ilp",
-    ilp_backend: str = "highs",
-    time_limit_s: float | None = 300,
-    optimality_check: bool = False,
-    mip_gap: float | None = None,
-    memory_budget_gib: float | None = None,
-    export_problem: str | None = None,
-    loss_fn: LossFn = cross_entropy_loss,
-    batch: BatchSpec | None = None,
-    solve_hook: SolveHook | None = None,
-    activation_checkpoint: str = "none",
-    strided_sharding: bool = False,
-    overlap: bool = False,
-) -> PlannedStages:
+    model: nn.Module, mesh: DeviceMesh, options: PlannerOptions, *, solve_hook: SolveHook | None = None
+) -> ExecutablePlan:
     """Trace, enumerate, build, solve and decode one training step on ``mesh``.
 
     ``model`` may live on the meta device; nothing is allocated. Raises
     ``InfeasibleProblem`` (naming the smallest feasible budget) when
-    ``memory_budget_gib`` cannot hold the parameters. ``loss_fn`` and
-    ``batch`` replace the token batch and cross-entropy for non-LLM models.
-    ``solver`` is ``ilp``, ``lp``, ``approx`` or ``auto`` (``solvers/__init__.py``);
-    ``optimality_check`` adds the LP bound to the plan's ``lower_bound``.
-    ``mip_gap`` stops the exact search once the plan is proven within that
-    relative gap (None: the ILP proves the optimum, the overlap MIP stops at 0.1%).
-    ``activation_checkpoint`` ("none", "full", "selective") traces the step
-    with each transformer block recomputed in the backward, so the plan prices
-    and the executor runs the recomputation. ``strided_sharding`` lets the
-    matmul family take the strided shards views produce (``strided.py``).
-    ``overlap`` credits parameter gathers and gradient reductions hidden behind
-    compute (``overlap.py``): ``ilp``/``lp`` solve the overlap MIP/LP (warm-started
-    by the theta sweep of ``solvers/overlap_lagrange.py``), ``approx`` runs the
-    sweep on TRW-S, ``auto`` picks by problem size.
+    ``options.memory_budget_gib`` cannot hold the parameters. ``solve_hook``
+    replaces the plain solve (the trainer's solves on rank 0 and shares it).
     """
+    o = options
     clock = _StageClock()
     names = tuple(mesh.mesh_dim_names or ())
     log.info("planning on mesh %s %s, batch %d x %d; cost profile %s, fp32 matmuls at %g TFLOP/s peak",
-             names, tuple(mesh.mesh.shape), global_batch_size, seq_len, profile.name, profile.peak_tflops["float32"])
+             names, tuple(mesh.mesh.shape), o.global_batch_size, o.seq_len, o.profile.name,
+             o.profile.peak_tflops["float32"])
     traced = trace_training_step(
         model,
-        global_batch_size,
-        seq_len,
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
-        loss_fn=loss_fn,
-        batch=batch,
-        activation_checkpoint=activation_checkpoint,
+        o.global_batch_size,
+        o.seq_len,
+        param_dtype=o.param_dtype,
+        reduce_dtype=o.reduce_dtype,
+        loss_fn=o.loss_fn,
+        batch=o.batch,
+        activation_checkpoint=o.activation_checkpoint,
     )
     clock.lap("trace")
-    table = enumerate_strategies(traced, mesh, strided_sharding)
+    table = enumerate_strategies(traced, mesh, o.strided_sharding)
     if table.replicated_ops:
         log.warning("ops replicated for lack of a sharding rule: %s", ", ".join(table.replicated_ops))
     clock.lap("strategies")
     ties = repeated_layer_ties(traced, table)
-    built = build_problem(traced, table, profile, memory_budget_gib, ties)
-    if export_problem:
-        Path(export_problem).parent.mkdir(parents=True, exist_ok=True)
-        built.problem.save(export_problem)
-        log.info("problem written to %s", export_problem)
+    built = build_problem(traced, table, o.profile, o.memory_budget_gib, ties)
+    if o.export_problem:
+        Path(o.export_problem).parent.mkdir(parents=True, exist_ok=True)
+        built.problem.save(o.export_problem)
+        log.info("problem written to %s", o.export_problem)
     clock.lap("build")
-    spec = overlap_spec(built, traced) if overlap else None
+    spec = overlap_spec(built, traced) if o.overlap else None
 
     def solve() -> Solution:  # on the solving rank only
         if spec is not None:
-            return overlap_solver(solver, ilp_backend, spec, mip_gap=mip_gap).solve(
-                built.problem, time_limit_s
+            return overlap_solver(o.solver, o.ilp_backend, spec, mip_gap=o.mip_gap).solve(
+                built.problem, o.time_limit_s
             )
-        if solver == "ilp":
+        if o.solver == "ilp":
             _hint_when_exact_is_slow(built.problem)
-        chosen = get_solver(solver, ilp_backend, optimality_check=optimality_check, mip_gap=mip_gap)
-        return chosen.solve(built.problem, time_limit_s)
+        chosen = get_solver(o.solver, o.ilp_backend, optimality_check=o.optimality_check, mip_gap=o.mip_gap)
+        return chosen.solve(built.problem, o.time_limit_s)
 
     solution = solve_hook(built, solve) if solve_hook else solve()
-    _log_solution(solution, time_limit_s)
+    _log_solution(solution, o.time_limit_s)
     clock.lap("solve")
     plan = plan_from_solution(solution, built, traced, clock.timings)
     if spec is not None:
         add_overlap_prediction(plan, built, spec, solution.assignment)
-    _add_step_terms(plan, traced, profile)
+    _add_step_terms(plan, traced, o.profile)
     clock.lap("plan")
     plan.peak_rss_gib = clock.peak_rss
     plan.timings["total"] = clock.elapsed()
     log.info("planner total %.2f s", plan.timings["total"])
-    return PlannedStages(plan, traced, built, solution)
+    return ExecutablePlan(plan, traced, built, solution)
 
 
 class _StageClock:
@@ -215,9 +209,6 @@ def _log_solution(solution: Solution, time_limit_s: float | None) -> None:
 
 def _add_step_terms(plan: Plan, traced, profile: HardwareProfile) -> None:
     """Host and optimizer time beside the planned graph's (step_terms.py: not in the objective)."""
-    import operator
-
-
     shapes = {fqn: tuple(node.meta["val"].shape) for fqn, node in traced.params.items()}
     nodes = sum(1 for n in traced.graph.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
     add_step_terms(plan, shapes, nodes, profile)

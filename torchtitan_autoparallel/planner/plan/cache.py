@@ -37,8 +37,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_leaves
 
-from torchtitan_autoparallel.execute.agree import agree_on_solution, fingerprint
+from torchtitan_autoparallel.planner.plan.agree import agree_on_solution, fingerprint
 from torchtitan_autoparallel.planner.plan.api import SolveHook
+from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.problem.build import BuiltProblem
 from torchtitan_autoparallel.planner.solvers.base import Solution
 
@@ -48,21 +49,6 @@ log = logging.getLogger("torchtitan_autoparallel.execute")
 FORMAT_VERSION = 1
 # A stored objective must match this run's recomputed one this closely (relative).
 OBJECTIVE_RTOL = 1e-6
-# The plan_stages arguments a solution depends on; the rest (export path, hooks) do not.
-KEYED_PLAN_KWARGS = (
-    "global_batch_size",
-    "seq_len",
-    "param_dtype",
-    "reduce_dtype",
-    "profile",
-    "solver",
-    "ilp_backend",
-    "time_limit_s",
-    "mip_gap",
-    "memory_budget_gib",
-)
-
-
 class CacheEntryError(ValueError):
     """A stored entry that must not be used; the message says why."""
 
@@ -74,9 +60,7 @@ def package_version() -> str:
         return "unknown"
 
 
-def plan_settings(
-    mesh: DeviceMesh, plan_kwargs: Mapping[str, Any], extra: Mapping[str, Any] | None = None
-) -> dict:
+def plan_settings(mesh: DeviceMesh, options: PlannerOptions, extra: Mapping[str, Any] | None = None) -> dict:
     """The cache-relevant settings of one ``plan_stages`` call, as JSON-ready values.
 
     ``extra`` (model config, knobs) is merged last, so the caller can add what
@@ -86,9 +70,7 @@ def plan_settings(
         "mesh_dim_names": list(mesh.mesh_dim_names or ()),
         "mesh_shape": list(mesh.mesh.shape),
     }
-    for name in KEYED_PLAN_KWARGS:
-        if name in plan_kwargs:
-            settings[name] = plan_kwargs[name]
+    settings.update(options.cache_settings())
     settings.update(extra or {})
     return _jsonable(settings)
 
