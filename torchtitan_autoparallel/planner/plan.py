@@ -74,6 +74,9 @@ class Plan:
     # planner solved (``--autoparallel.export_problem`` writes it; docs/problem_format.md):
     # what re-scores the plan independently of this package.
     assignment: list[int] = field(default_factory=list)
+    # The collectives the compiled step issues once bucketed, by kind, mesh dim and size
+    # (``report/executed.py`` records as dicts); empty until a training run compiles its step.
+    executed_collectives: list[dict[str, Any]] = field(default_factory=list)
 
     # ------------------------------------------------------------ accessors
 

@@ -20,6 +20,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchtitan_autoparallel.config import JobConfig, accumulation_steps
 from torchtitan_autoparallel.distributed.runtime import Runtime
 from torchtitan_autoparallel.errors import ConfigError, UserError
+from torchtitan_autoparallel.report.executed import MeshGroups, executed_collectives
+from torchtitan_autoparallel.report.html import write_html
+from torchtitan_autoparallel.report.text import executed_text, words_text
 from torchtitan_autoparallel.train import checkpoint
 from torchtitan_autoparallel.train.optim import build_lr_scheduler, build_optimizer
 from torchtitan_autoparallel.train.setup import (
@@ -125,7 +128,7 @@ def _report_plan(job: JobConfig, runtime: Runtime, plan) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     plan.device_memory_bytes = _device_memory_bytes(job, runtime)
     plan.to_json(folder / "plan.json")
-    logger.info("plan:\n%s", plan.table())
+    logger.info("plan:\n%s\n%s", words_text(plan), plan.table())
     _write_plan_report(job, plan, folder)
     logger.info(f"plan written to {folder / 'plan.json'} (planning took {plan.timings['total']:.1f} s)")
 
@@ -142,7 +145,6 @@ def _write_plan_report(job: JobConfig, plan, folder: Path) -> None:
     """plan.html beside plan.json; a warning per collective that gathers too much per
     device, and one if the plan's memory estimate outgrows the device."""
     from torchtitan_autoparallel.report.common import GIB, memory_fit, peak_summary, plan_warnings
-    from torchtitan_autoparallel.report.html import write_html
 
     threshold = job.autoparallel.report_warn_gib * GIB
     write_html(plan, folder / "plan.html", threshold)
@@ -175,6 +177,7 @@ class AutoTraining(Training):
     """A training run whose step is the planned program (``execute/``)."""
 
     planned: object = None  # execute.step.PlannedStep
+    plan: object = None  # planner.plan.Plan: gains the executed collectives once the step compiles
     validation_graph_logged: bool = False
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -227,6 +230,23 @@ class AutoTraining(Training):
         stats = self.planned.overlap_stats
         logger.info(f"overlap_execution: {stats.summary() if stats else 'off (collectives run where traced)'}")
         self._reprice_prediction()
+        self._record_executed_collectives()
+
+    def _record_executed_collectives(self) -> None:
+        """plan.json and plan.html gain the collectives the compiled step issues (rank 0 writes)."""
+        if self.plan is None or self.runtime.rank != 0:
+            return
+        profile = resolve_profile(self.job, self.runtime)
+        try:
+            executed = executed_collectives(self.planned.local_graph, MeshGroups.of(self.planned.mesh), profile)
+        except ValueError as e:  # a report must not stop training
+            logger.warning(f"plan report: the compiled step's collectives cannot be listed: {e}")
+            return
+        self.plan.executed_collectives = [c.to_dict() for c in executed]
+        folder = Path(self.job.job.dump_folder)
+        self.plan.to_json(folder / "plan.json")
+        write_html(self.plan, folder / "plan.html", self.job.autoparallel.report_warn_gib * 2**30)
+        logger.info(f"plan: {executed_text(self.plan)}\n(written to plan.json and plan.html)")
 
     def _reprice_prediction(self) -> None:
         """The plan check prices the compiled graph: its bucketed collectives and its node count."""
@@ -322,4 +342,5 @@ def build_auto_training(
         n_params=n_params,
         accumulation_steps=steps,
         planned=step,
+        plan=planned.plan,
     )
