@@ -242,14 +242,6 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def fmt_us(us: float) -> str:
-    if abs(us) >= 1e6:
-        return f"{us / 1e6:.3f} s"
-    if abs(us) >= 1e3:
-        return f"{us / 1e3:.3f} ms"
-    return f"{us:.1f} us"
-
-
 @dataclass(frozen=True)
 class TimeUnit:
     """The one unit a table's times are shown in, named in its header."""
