@@ -168,6 +168,7 @@ def _check_tensorboard(folder: Path, plan: Plan, records: list[dict]) -> None:
     assert "plan/table/text_summary" in tags["tensors"], tags
     text = acc.Tensors("plan/table/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "sharding plan on mesh" in text
+    assert text.index("what this plan is:") < text.index("sharding plan on mesh")  # the words lead
     assert tags["images"] == ["plan/figure"]
     image = acc.Images("plan/figure")[0]
     assert image.width > 300 and image.height > 100 and image.encoded_image_string.startswith(b"\x89PNG")

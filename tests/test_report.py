@@ -464,5 +464,5 @@ def test_a_planned_step_times_its_compile_apart(plans) -> None:
     compile (this process compiled the 2-D plan's loops, or loaded them) among them."""
     timings = Plan.from_json(plans["fsdp_tp"]).timings
     assert list(timings) == ["trace", "strategies", "build", "solve", "plan", "compile", "total"]
-    assert sum(v for k, v in timings.items() if k != "total") == pytest.approx(timings["total"], rel=1e-6)
+    assert sum(v for k, v in timings.items() if k != "total") == pytest.approx(timings["total"], abs=0.01)
     assert timings["compile"] >= 0.0
