@@ -19,7 +19,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan_autoparallel.models.registry import build_meta_model
-from torchtitan_autoparallel.planner.api import plan_training_step
+from torchtitan_autoparallel.execute.audit import expected_collectives
+from torchtitan_autoparallel.execute.bucketing import bucket_collectives
+from torchtitan_autoparallel.execute.compiled import graph_collectives
+from torchtitan_autoparallel.planner.api import plan_stages, plan_training_step
 from torchtitan_autoparallel.planner.plan import Plan
 from torchtitan_autoparallel.planner.profiles import load_profile
 from torchtitan_autoparallel.report.__main__ import main as report_main
@@ -33,6 +36,7 @@ from torchtitan_autoparallel.report.common import (
     split_layer,
 )
 from torchtitan_autoparallel.report.diff import diff_plans, format_diff
+from torchtitan_autoparallel.report.executed import MeshGroups, executed_collectives, fake_step_graph, traced_step_collectives
 from torchtitan_autoparallel.report.html import write_html
 from torchtitan_autoparallel.report.text import report_text
 from torchtitan_autoparallel.report.words import dim_roles, plan_words
@@ -456,7 +460,7 @@ def test_compile_time_has_its_own_line(plans, tmp_path: Path) -> None:
     dom = _render(tmp_path / "plan.json", tmp_path, warn_gib=1.0)
     shown = {a["data-key"]: float(a["data-value"]) for a in dom.having("data-key")}
     assert shown["timing_compile"] == 95.5 and shown["timing_solve"] == 0.125
-    assert "compile (numba, the planner's loops; apart from the stages)" in "".join(dom.text)
+    assert "compile (numba compiling or loading the planner's loops; apart from the stages)" in "".join(dom.text)
 
 
 def test_a_planned_step_times_its_compile_apart(plans) -> None:
@@ -466,3 +470,40 @@ def test_a_planned_step_times_its_compile_apart(plans) -> None:
     assert list(timings) == ["trace", "strategies", "build", "solve", "plan", "compile", "total"]
     assert sum(v for k, v in timings.items() if k != "total") == pytest.approx(timings["total"], abs=0.01)
     assert timings["compile"] >= 0.0
+
+
+# ---------------------------------------------------------------- collectives as executed, plan-only
+
+
+def test_a_plan_only_run_lists_what_the_executor_would_issue() -> None:
+    """On a fake process group the executor's step is traced on fake tensors: unbucketed it
+    issues one collective per planned redistribution, bucketed what the executor's own
+    pass leaves of them."""
+    model = build_meta_model("llama3", "debugmodel", n_layers=2)
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp_shard", "tp"))
+    profile = load_profile("h100")
+    stages = plan_stages(model, mesh, global_batch_size=8, seq_len=128, profile=profile)
+    graph = fake_step_graph(stages, mesh)
+    per_tensor = executed_collectives(graph, MeshGroups.of(mesh), profile)
+    planned = dict(expected_collectives(stages.plan, backend="gloo"))
+    # One call per planned redistribution; DTensor runs one planned reduce-scatter of this
+    # plan as an all-reduce (then keeps its slice), which only the executed list shows.
+    assert sum(_per_kind(per_tensor).values()) == sum(planned.values())
+    assert _per_kind(per_tensor)["all_gather"] == planned["all_gather"]
+    stats = bucket_collectives(graph)  # the executor's pass
+    bucketed = traced_step_collectives(stages, mesh, profile, bucket=True)
+    for kind, after in stats.after.items():
+        assert _per_kind(bucketed)[kind] == after < stats.before[kind]
+    assert _per_kind(bucketed) == dict(graph_collectives(graph))
+    assert sum(_per_kind(bucketed).values()) < sum(_per_kind(per_tensor).values())
+    plan = stages.plan
+    plan.executed_collectives = [c.to_dict() for c in bucketed]
+    text = report_text(plan)
+    assert f"collectives per step as executed, after bucketing ({sum(c.count for c in bucketed)} calls" in text
+
+
+def _per_kind(found) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for c in found:
+        counts[c.kind] = counts.get(c.kind, 0) + c.count
+    return counts

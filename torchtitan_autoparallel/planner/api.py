@@ -192,7 +192,7 @@ class _StageClock:
         self._last = now
         log.info(
             "planner stage %-10s done in %.2f s%s (%.1f s elapsed, peak RSS %.2f GiB)",
-            stage, self.timings[stage], f" + {compile_s:.2f} s compiling loops" if compile_s else "",
+            stage, self.timings[stage], f" + {compile_s:.2f} s compiling (or loading) numba loops" if compile_s else "",
             now - self._start, self.peak_rss[stage],
         )
 

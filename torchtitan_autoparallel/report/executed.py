@@ -8,6 +8,11 @@ any traced graph through ``bucketed_collectives``, which applies the
 executor's own ``bucket_collectives`` to a copy) by kind, mesh dim and size,
 priced as ``execute/graph_cost.py`` prices them, so the report cannot list
 other collectives than the executor runs.
+
+A plan-only run (``COMM_MODE=fake_backend``) has no compiled step: there
+``traced_step_collectives`` builds the executor's step on fake tensors (no
+memory, no compute; the fake process group sends nothing), traces it as the
+executor's compile does and buckets it with the executor's pass.
 """
 
 from __future__ import annotations
@@ -19,9 +24,14 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_autoparallel.execute.bucketing import bucket_collectives
+from torchtitan_autoparallel.execute.compiled import trace_local_graph
 from torchtitan_autoparallel.execute.overlap import group_name
+from torchtitan_autoparallel.execute.step import FullValues, build_executable
+from torchtitan_autoparallel.planner.api import PlannedStages
 from torchtitan_autoparallel.planner.cost_model import collective_time_us, mesh_dim_links
 from torchtitan_autoparallel.planner.profiles import HardwareProfile
 
@@ -92,6 +102,35 @@ def bucketed_collectives(
     else:
         bucket_collectives(merged, bucket_bytes)
     return executed_collectives(merged, mesh, profile)
+
+
+def traced_step_collectives(
+    stages: PlannedStages, mesh: DeviceMesh, profile: HardwareProfile, bucket: bool = True
+) -> list[ExecutedCollective]:
+    """What the executor's compiled step would issue (bucketed when ``bucket``, as
+    ``autoparallel.bucket_collectives`` asks), traced on fake tensors."""
+    gm = fake_step_graph(stages, mesh)
+    if bucket:
+        bucket_collectives(gm)
+    return executed_collectives(gm, MeshGroups.of(mesh), profile)
+
+
+def fake_step_graph(stages: PlannedStages, mesh: DeviceMesh) -> fx.GraphModule:
+    """The executor's local step graph, its parameters and batch fake: the trace's shapes only."""
+    traced = stages.traced
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        full = FullValues(
+            {fqn: _fake(node) for fqn, node in traced.params.items()},
+            {fqn: _fake(node) for fqn, node in traced.buffers.items()},
+        )
+        step = build_executable(traced, stages.built, stages.solution, mesh, full)
+        tokens, labels = step.distribute_batch(_fake(traced.tokens), _fake(traced.labels))
+        return trace_local_graph(step, tokens, labels)
+
+
+def _fake(node: fx.Node) -> torch.Tensor:
+    val = node.meta["val"]
+    return torch.zeros(val.shape, dtype=val.dtype)
 
 
 def collective_kind(node: fx.Node) -> str | None:

@@ -215,10 +215,11 @@ def _executed_section(plan: Plan) -> str:
     executed: list[ExecutedCollective] = from_dicts(plan.executed_collectives)
     if not executed:
         return (
-            '<h2>Collectives per step as executed</h2><p class="muted" id="executed-none">Not known yet: '
-            "the executor merges the planned collectives into buckets when it compiles the step, and a "
-            "training run writes what it then issues into this report after its first step (a plan-only "
-            "run or autoparallel.compile = false has none).</p>"
+            '<h2>Collectives per step as executed</h2><p class="muted" id="executed-none">Not listed: the '
+            "executor merges the planned collectives into buckets when it compiles the step; a training run "
+            "writes what it then issues into this report after its first step, a plan-only run traces the "
+            "step on fake tensors for small models only (train/auto.py), and autoparallel.compile = false "
+            "runs the planned collectives below one per tensor.</p>"
         )
     total = sum(c.us * c.count for c in executed)
     unit = time_unit([total])
@@ -266,4 +267,4 @@ def _timings_section(plan: Plan) -> str:
     return f'<h2>Planner timings (s)</h2><table id="timings" data-unit="s">{head}{rows}</table>'
 
 
-_TIMING_NAMES = {"compile": "compile (numba, the planner's loops; apart from the stages)"}
+_TIMING_NAMES = {"compile": "compile (numba compiling or loading the planner's loops; apart from the stages)"}

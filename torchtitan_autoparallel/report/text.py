@@ -27,7 +27,8 @@ def words_text(plan: Plan) -> str:
 def executed_text(plan: Plan) -> str:
     executed = from_dicts(plan.executed_collectives)
     if not executed:
-        return "collectives as executed: not recorded (a training run records them once it compiles its step)"
+        return ("collectives as executed: not listed (a training run records them once it compiles its step; "
+                "a plan-only run traces them for small models only)")
     unit = time_unit([sum(c.us * c.count for c in executed)])  # the largest figure: their sum
     calls = sum(c.count for c in executed)
     lines = [f"collectives per step as executed, after bucketing ({calls} calls; times in {unit.name}):",

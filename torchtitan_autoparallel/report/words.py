@@ -74,8 +74,8 @@ def _dim_role(plan: Plan, index: int, name: str, size: int) -> DimRole:
     else:
         role = "FSDP and TP mixed"
         use = (f"{_plural(gathers, 'all-gather')} of weights per step gather some before use, and "
-               f"{_plural(act_reduces, 'all-reduce')} of activations per step sum the partial results of "
-               "those used sharded")
+               f"{_plural(act_reduces, 'all-reduce')} of activations per step add up the partial results "
+               "of those used sharded")
     text = f"{split}, {use}; {_grad_words(calls)}{_act_words(calls, skip_reduces=role == 'FSDP and TP mixed')}"
     return DimRole(name, size, role, f"{role} over {head}: {text}.")
 
