@@ -9,6 +9,7 @@ from pathlib import Path
 from torchtitan_autoparallel.errors import UserError
 from torchtitan_autoparallel.planner.memory import OPTIMIZER_STATE_COPIES
 from torchtitan_autoparallel.planner.plan import Plan
+from torchtitan_autoparallel.planner.step_terms import plan_terms
 
 GIB = 2**30
 # A gather to this size on every device is where a plan starts to risk OOM on
@@ -37,8 +38,6 @@ def predicted_step_us(plan: Plan) -> float:
     Plans written before the host and optimizer terms count them as 0
     (``planner/step_terms.py``).
     """
-    from torchtitan_autoparallel.planner.step_terms import plan_terms
-
     return plan_terms(plan).total_us
 
 

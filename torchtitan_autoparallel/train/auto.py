@@ -21,6 +21,7 @@ from torchtitan_autoparallel.config import JobConfig, accumulation_steps
 from torchtitan_autoparallel.distributed.runtime import Runtime
 from torchtitan_autoparallel.errors import ConfigError, UserError
 from torchtitan_autoparallel.planner.api import PlannedStages, plan_stages
+from torchtitan_autoparallel.report.common import GIB, memory_fit, peak_summary, plan_warnings
 from torchtitan_autoparallel.report.executed import MeshGroups, executed_collectives, traced_step_collectives
 from torchtitan_autoparallel.report.html import write_html
 from torchtitan_autoparallel.report.text import executed_text, words_text
@@ -149,8 +150,6 @@ def _device_memory_bytes(job: JobConfig, runtime: Runtime) -> float | None:
 def _write_plan_report(job: JobConfig, plan, folder: Path) -> None:
     """plan.html beside plan.json; a warning per collective that gathers too much per
     device, and one if the plan's memory estimate outgrows the device."""
-    from torchtitan_autoparallel.report.common import GIB, memory_fit, peak_summary, plan_warnings
-
     threshold = job.autoparallel.report_warn_gib * GIB
     write_html(plan, folder / "plan.html", threshold)
     for message in plan_warnings(plan, threshold):
@@ -272,7 +271,7 @@ class AutoTraining(Training):
         self.plan.executed_collectives = [c.to_dict() for c in executed]
         folder = Path(self.job.job.dump_folder)
         self.plan.to_json(folder / "plan.json")
-        write_html(self.plan, folder / "plan.html", self.job.autoparallel.report_warn_gib * 2**30)
+        write_html(self.plan, folder / "plan.html", self.job.autoparallel.report_warn_gib * GIB)
         logger.info(f"plan: {executed_text(self.plan)}\n(written to plan.json and plan.html)")
 
     def _reprice_prediction(self) -> None:
