@@ -400,7 +400,17 @@ def test_words_name_an_fsdp_x_tp_plan_and_a_mixed_dim() -> None:
     mixed = replace(plan, collectives=plan.collectives + _made_plan(
         ["tp"], [2], {}, [("all_gather", "tp", 1e6, 10.0, 1, "parameter")]).collectives)
     assert dim_roles(mixed)[1].role == "FSDP and TP mixed"
-    assert "1 all-gather of weights per step gather some before use, and 2 all-reduces" in dim_roles(mixed)[1].sentence
+    assert ("1 all-gather of weights per step gather at most 1 of them before use, the others are used sharded, "
+            "2 all-reduces of activations per step adding up their partial results") in dim_roles(mixed)[1].sentence
+    # fewer gathers than sharded weights, without any all-reduce: FSDP if nearly all are gathered
+    def gathers(n: int) -> Plan:
+        kept = [c for c in plan.collectives if c.mesh_dim == "dp_shard"]
+        return replace(plan, collectives=[replace(c, count=n) if c.purpose == "parameter" else c for c in kept])
+
+    assert dim_roles(gathers(2))[0].role == "FSDP and TP mixed"  # 2 of 3: one in three used sharded
+    many = replace(gathers(19), parameters={f"layers.{i}.w{j}.weight": ["S(0)", "R"] for i in range(10) for j in (1, 2)})
+    assert dim_roles(many)[0].role == "FSDP"
+    assert "(19 all-gathers of weights per step, so at most 1 of them used sharded)" in dim_roles(many)[0].sentence
 
 
 def test_words_of_planned_plans_lead_the_report(plans, tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ A mesh dim's role follows from what the parameters and activations do on it:
 * parameters sharded on it and used sharded, activations exchanged instead
   (an all-reduce of an activation is the partial sums a weight split on its
   input features leaves): TP;
-* both gathered weights and activation all-reduces on one dim: mixed, said so.
+* fewer weight gathers than sharded weights, or gathered weights beside
+  activation all-reduces, on one dim: mixed, said so.
 
 plan.json names no parameter in its collectives, so where a dim mixes
 gathered and sharded use the words give the counts and do not guess which
@@ -29,6 +30,9 @@ from torchtitan_autoparallel.report.common import fmt_bytes, short_name, split_l
 
 _SHARD = re.compile(r"^S+\((\d+)")  # S(d) and strided SS(d,k): sharded on tensor dim d
 _REPLICATE_DIM = "dp_replicate"  # the planner pins parameters Replicate on it (planner/placement.py)
+# A dim that gathers at least this share of its sharded weights (and all-reduces no activation)
+# reads as FSDP, the few it does not gather counted: LLaMA3-8B's FSDP plan uses its embedding sharded.
+_MOSTLY = 0.9
 # A budget used to within this fraction binds: the solver could not have placed more bytes per device.
 _BINDING = 1e-6
 
@@ -67,15 +71,17 @@ def _dim_role(plan: Plan, index: int, name: str, size: int) -> DimRole:
         text = f"every parameter replicated{why}; {_grad_words(calls)}"
         return DimRole(name, size, role, f"{role} over {head}: {text}{_act_words(calls)}.")
     split = _split_words(by_dim, sharded, total)
-    if gathers and not act_reduces:
-        role, use = "FSDP", f"all-gathered before use ({_plural(gathers, 'all-gather')} of weights per step)"
+    if gathers >= _MOSTLY * sharded and not act_reduces:
+        role, use = "FSDP", f"all-gathered before use ({_plural(gathers, 'all-gather')} of weights per step"
+        use += ")" if gathers >= sharded else f", so at most {sharded - gathers} of them used sharded)"
     elif not gathers:
         role, use = "TP", "used sharded (no weight is gathered on it)"
     else:
         role = "FSDP and TP mixed"
-        use = (f"{_plural(gathers, 'all-gather')} of weights per step gather some before use, and "
-               f"{_plural(act_reduces, 'all-reduce')} of activations per step add up the partial results "
-               "of those used sharded")
+        use = (f"{_plural(gathers, 'all-gather')} of weights per step gather at most {min(gathers, sharded)} "
+               "of them before use, the others are used sharded")
+        if act_reduces:
+            use += f", {_plural(act_reduces, 'all-reduce')} of activations per step adding up their partial results"
     text = f"{split}, {use}; {_grad_words(calls)}{_act_words(calls, skip_reduces=role == 'FSDP and TP mixed')}"
     return DimRole(name, size, role, f"{role} over {head}: {text}.")
 
