@@ -12,6 +12,9 @@ plan, whether they run compiled or as the Python they are written in:
   have taken ``COMPILE_NOTICE_S`` in a process, each one after says on the
   planner's log which loop it is compiling, and one that takes longer than
   that says how long it took, so a cold start is not a silent hang.
+  ``compile_seconds`` is the time spent in numba's compiles (and cache loads)
+  so far, apart from the first calls' own running time: ``plan_stages``
+  reports it as its own line instead of inside the stage that triggered it.
   ``python -m torchtitan_autoparallel.planner.warm_up`` compiles them ahead.
 * Python (``compiled(False)``): each loop runs its ``py_func``, and the loops it
   calls do too (a call from Python goes through ``Loop.__call__``), so nothing
@@ -39,6 +42,15 @@ from numba.core.registry import CPUDispatcher
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 COMPILE_NOTICE_S = 3.0  # a first call still running after this is compiling: say so
 _state = {"compiled": True, "first_calls_s": 0.0}  # the seconds first calls took so far
+# Compiles nest (a loop compiles the loops it calls inside its own compile): only the
+# outermost one is clocked, per thread, so no second is counted twice.
+_compile_clock = threading.local()
+_compile_total = {"s": 0.0}
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in numba compiles (or loading them from its cache)."""
+    return _compile_total["s"]
 
 
 class Loop(CPUDispatcher):
@@ -70,6 +82,17 @@ class Loop(CPUDispatcher):
             _state["first_calls_s"] += seconds
             if seconds > COMPILE_NOTICE_S:
                 LOG.info("compiled the planner's loops for %s in %.1f s", name, seconds)
+
+    def compile(self, sig):
+        if getattr(_compile_clock, "running", False):
+            return super().compile(sig)
+        _compile_clock.running = True
+        start = time.perf_counter()
+        try:
+            return super().compile(sig)
+        finally:
+            _compile_clock.running = False
+            _compile_total["s"] += time.perf_counter() - start
 
 
 def _make(options: dict) -> Callable:

@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from torchtitan_autoparallel import jit
 
@@ -132,3 +133,56 @@ def test_short_first_calls_that_add_up_say_they_are_compiling(monkeypatch, caplo
     said = [r.getMessage() for r in caplog.records]
     assert said == ["compiling the planner's loops for test_jit._second, once per machine "
                     "(numba caches them) ..."], said
+
+
+def _uncached_loop(fn):
+    """A loop as ``jit.jit`` makes it, without numba's disk cache: its first call compiles."""
+    return jit.Loop(py_func=fn, locals={}, targetoptions={"nopython": True})
+
+
+def test_compile_time_is_counted_once_and_apart_from_the_run() -> None:
+    """A loop's first call compiles it and the loop it calls (a nested compile): the
+    clock counts that once (never more than the call's wall time), and later calls,
+    which compile nothing, add nothing."""
+
+    def inner(x):
+        return x * 3.0
+
+    inner_loop = _uncached_loop(inner)
+
+    def outer(v):
+        total = 0.0
+        for x in v:
+            total += inner_loop(x)
+        return total
+
+    outer_loop = _uncached_loop(outer)
+    v = np.arange(4.0)
+    before = jit.compile_seconds()
+    start = time.perf_counter()
+    assert outer_loop(v) == 18.0
+    first_call = time.perf_counter() - start
+    compiled = jit.compile_seconds() - before
+    assert inner_loop.signatures and outer_loop.signatures  # both compiled in that call
+    assert 0.05 < compiled <= first_call  # a real compile (tenths of a second), counted once
+    again = jit.compile_seconds()
+    assert outer_loop(v) == 18.0 and jit.compile_seconds() == again  # compiled: no more clocking
+
+
+def test_a_stage_clock_books_compiles_apart(monkeypatch) -> None:
+    """Seconds spent compiling during a stage go to "compile", not to the stage."""
+    from torchtitan_autoparallel.planner.plan import api
+
+    compile_total = {"s": 10.0}
+    monkeypatch.setattr(jit, "compile_seconds", lambda: compile_total["s"])
+    clock = api._StageClock()
+    time.sleep(0.05)
+    clock.lap("trace")  # nothing compiled
+    time.sleep(0.3)
+    compile_total["s"] += 0.2  # of the 0.3 s, 0.2 s compiled
+    clock.lap("solve")
+    t = clock.timings
+    assert list(t) == ["trace", "solve", "compile"]
+    assert t["compile"] == pytest.approx(0.2)
+    assert 0.09 <= t["solve"] < 0.25 and t["trace"] >= 0.05
+    assert sum(t.values()) == pytest.approx(clock.elapsed(), abs=0.02)

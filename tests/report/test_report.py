@@ -18,9 +18,12 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from torchtitan_autoparallel.execute.audit import expected_collectives
+from torchtitan_autoparallel.execute.bucketing import bucket_collectives
+from torchtitan_autoparallel.execute.compiled import graph_collectives
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.cost.profiles import load_profile
-from torchtitan_autoparallel.planner.plan.api import plan_training_step
+from torchtitan_autoparallel.planner.plan.api import plan_stages, plan_training_step
 from torchtitan_autoparallel.planner.plan.plan import Plan
 from torchtitan_autoparallel.report.__main__ import main as report_main
 from torchtitan_autoparallel.report.common import (
@@ -33,7 +36,10 @@ from torchtitan_autoparallel.report.common import (
     split_layer,
 )
 from torchtitan_autoparallel.report.diff import diff_plans, format_diff
+from torchtitan_autoparallel.report.executed import MeshGroups, executed_collectives, fake_step_graph, traced_step_collectives
 from torchtitan_autoparallel.report.html import write_html
+from torchtitan_autoparallel.report.text import report_text
+from torchtitan_autoparallel.report.words import dim_roles, plan_words
 
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = pytest.mark.usefixtures("fake_world")
@@ -329,3 +335,185 @@ def test_the_peak_lists_what_is_live_then_and_adds_up_to_it(plans, tmp_path: Pat
     dom = _render(plans["fsdp_tp"], tmp_path, warn_gib=1.0)
     rows = [a for tag, a in dom.elements if tag == "tr" and "data-what" in a]
     assert [r["data-what"] for r in rows] == [p["what"] for p in parts]
+
+
+# ---------------------------------------------------------------- the plan in words
+
+
+def _made_plan(names, sizes, parameters, collectives, budget=None, used=1.0) -> Plan:
+    """A plan.json's content written by hand: placements and collectives as a planner would give."""
+    from torchtitan_autoparallel.planner.plan.plan import Collective
+
+    return Plan(
+        mesh={"names": list(names), "sizes": list(sizes)}, parameters=parameters, nodes={},
+        collectives=[Collective(*c) for c in collectives],
+        predicted={"compute_us": 1.0, "comm_us": 1.0, "total_us": 2.0, "param_bytes_per_device": used},
+        replicated_ops=[], objective=2.0, lower_bound=2.0, solver="ilp-highs", status="optimal",
+        memory_budget_bytes=budget,
+    )
+
+
+_WEIGHTS = ("layers.0.attention.wo.weight", "layers.0.feed_forward.w1.weight", "norm.weight")
+
+
+def test_words_name_a_ddp_plan() -> None:
+    plan = _made_plan(["dp_replicate"], [4], {f: ["R"] for f in _WEIGHTS},
+                      [("all_reduce", "dp_replicate", 4e6, 30.0, 3, "gradient")], budget=10.0, used=10.0)
+    (dim,) = dim_roles(plan)
+    assert dim.role == "DDP"
+    assert dim.sentence.startswith("DDP over dp_replicate=4: every parameter replicated")
+    assert "gradients: 3 all-reduces per step" in dim.sentence
+    assert plan_words(plan)[-1].endswith("none is sharded.")
+
+
+def test_words_name_an_fsdp_plan_and_why_it_shards() -> None:
+    plan = _made_plan(
+        ["dp_shard"], [4], {f: ["S(0)"] for f in _WEIGHTS},
+        [("all_gather", "dp_shard", 4e6, 30.0, 3, "parameter"), ("reduce_scatter", "dp_shard", 4e6, 30.0, 3, "gradient")],
+        budget=10.0, used=10.0,
+    )
+    (dim,) = dim_roles(plan)
+    assert dim.role == "FSDP"
+    assert dim.sentence == (
+        "FSDP over dp_shard=4: all 3 parameters sharded, on dim 0 (wo, w1, norm), all-gathered before use "
+        "(3 all-gathers of weights per step); gradients: 3 reduce-scatters per step."
+    )
+    assert "so the budget forced the sharding" in plan_words(plan)[-1]
+    roomy = replace(plan, memory_budget_bytes=40.0)
+    assert "chosen for speed, not forced by memory" in plan_words(roomy)[-1]
+
+
+def test_words_name_an_fsdp_x_tp_plan_and_a_mixed_dim() -> None:
+    params = {_WEIGHTS[0]: ["S(0)", "S(1)"], _WEIGHTS[1]: ["S(1)", "S(0)"], _WEIGHTS[2]: ["S(0)", "R"]}
+    collectives = [
+        ("all_gather", "dp_shard", 2e6, 20.0, 3, "parameter"), ("reduce_scatter", "dp_shard", 2e6, 20.0, 3, "gradient"),
+        ("all_reduce", "tp", 1e6, 10.0, 2, "activation"), ("all_reduce", "tp", 4.0, 5.0, 1, "gradient"),
+    ]
+    plan = _made_plan(["dp_shard", "tp"], [4, 2], params, collectives, budget=10.0, used=5.0)
+    fsdp, tp = dim_roles(plan)
+    assert (fsdp.role, tp.role) == ("FSDP", "TP")
+    assert tp.sentence == (
+        "TP over tp=2: 2 of 3 parameters sharded (1 replicated), on dim 0 (w1), dim 1 (wo), used sharded "
+        "(no weight is gathered on it); gradients: 1 all-reduce per step; activations: 2 all-reduces per step."
+    )
+    # weights gathered on tp too, beside the activation all-reduces: said to be mixed
+    mixed = replace(plan, collectives=plan.collectives + _made_plan(
+        ["tp"], [2], {}, [("all_gather", "tp", 1e6, 10.0, 1, "parameter")]).collectives)
+    assert dim_roles(mixed)[1].role == "FSDP and TP mixed"
+    assert ("1 all-gather of weights per step gather at most 1 of them before use, the others are used sharded, "
+            "2 all-reduces of activations per step adding up their partial results") in dim_roles(mixed)[1].sentence
+    # fewer gathers than sharded weights, without any all-reduce: FSDP if nearly all are gathered
+    def gathers(n: int) -> Plan:
+        kept = [c for c in plan.collectives if c.mesh_dim == "dp_shard"]
+        return replace(plan, collectives=[replace(c, count=n) if c.purpose == "parameter" else c for c in kept])
+
+    assert dim_roles(gathers(2))[0].role == "FSDP and TP mixed"  # 2 of 3: one in three used sharded
+    many = replace(gathers(19), parameters={f"layers.{i}.w{j}.weight": ["S(0)", "R"] for i in range(10) for j in (1, 2)})
+    assert dim_roles(many)[0].role == "FSDP"
+    assert "(19 all-gathers of weights per step, so at most 1 of them used sharded)" in dim_roles(many)[0].sentence
+
+
+def test_words_of_planned_plans_lead_the_report(plans, tmp_path: Path) -> None:
+    """The planner's own plans: every dim gets a role, and the page and the text say it first."""
+    plan = Plan.from_json(plans["fsdp_tp"])
+    roles = dim_roles(plan)
+    assert [r.name for r in roles] == ["dp_shard", "tp"]
+    assert all(r.role in ("DDP", "FSDP", "TP", "FSDP and TP mixed") for r in roles)
+    dom = _render(plans["fsdp_tp"], tmp_path, warn_gib=1.0)
+    page = "".join(dom.text)
+    assert page.index("What this plan is") < page.index("Predicted cost per step")
+    for sentence in plan_words(plan):
+        assert sentence in page
+    text = report_text(plan)
+    assert text.startswith("what this plan is:\n  - " + roles[0].role + " over dp_shard=4")
+
+
+# ---------------------------------------------------------------- one unit per table
+
+
+_CELL = re.compile(r'data-key="([^"]+)" data-value="([^"]+)">([^<]*)<')
+
+
+def _table_cells(page: str, table: str) -> tuple[str, list[tuple[str, float, str]]]:
+    """A table's data-unit and its (key, exact value, shown text) cells, from the page Chromium loaded."""
+    m = re.search(rf'<table id="{table}" data-unit="(\w+)">(.*?)</table>', page, re.S)
+    assert m, f"no table {table} with a data-unit"
+    return m.group(1), [(k, float(v), shown) for k, v, shown in _CELL.findall(m.group(2))]
+
+
+@pytest.mark.parametrize("scale,unit", [(1.0, "ms"), (1e4, "s")])
+def test_every_time_table_shows_one_unit_named_in_its_header(plans, tmp_path: Path, scale, unit) -> None:
+    plan = Plan.from_json(plans["fsdp_tp"])
+    plan.predicted = {k: v * scale if k.endswith("_us") else v for k, v in plan.predicted.items()}
+    plan.collectives = [replace(c, us=c.us * scale) for c in plan.collectives]
+    plan.timings = {"trace": 0.25, "solve": 0.0125, "compile": 95.5, "total": 96.0}
+    page = tmp_path / "plan.html"
+    write_html(plan, page)
+    loaded = _chromium(tmp_path, "--dump-dom", page.as_uri())
+    per_us = {"ms": 1e3, "s": 1e6}
+    for table, want in (("cost", unit), ("collectives", unit), ("timings", "s")):
+        got, cells = _table_cells(loaded, table)
+        assert got == want and cells, table
+        assert re.search(rf"<th>time[^<]*\({want}\)</th>", loaded.split(f'<table id="{table}"')[1]), table
+        for key, value, shown in cells:
+            us = value * 1e6 if table == "timings" else value  # timings are kept in seconds
+            assert shown == f"{us / per_us[want]:.3f}", (table, key, shown)
+    (collectives_unit,) = re.findall(r"Collectives per step as planned[^<]*; (\w+)\)", loaded)
+    assert collectives_unit == unit and f"Predicted cost per step ({unit})" in loaded
+
+
+def test_compile_time_has_its_own_line(plans, tmp_path: Path) -> None:
+    plan = Plan.from_json(plans["fsdp"])
+    plan.timings = {"trace": 0.5, "solve": 0.125, "compile": 95.5, "total": 96.125}
+    assert "solve 0.125, compile 95.500, total 96.125" in report_text(plan)
+    plan.to_json(tmp_path / "plan.json")
+    dom = _render(tmp_path / "plan.json", tmp_path, warn_gib=1.0)
+    shown = {a["data-key"]: float(a["data-value"]) for a in dom.having("data-key")}
+    assert shown["timing_compile"] == 95.5 and shown["timing_solve"] == 0.125
+    assert "compile (numba compiling or loading the planner's loops; apart from the stages)" in "".join(dom.text)
+
+
+def test_a_planned_step_times_its_compile_apart(plans) -> None:
+    """Plans of the fixture went through plan_stages: their lines add up to the total,
+    compile (this process compiled the 2-D plan's loops, or loaded them) among them."""
+    timings = Plan.from_json(plans["fsdp_tp"]).timings
+    assert list(timings) == ["trace", "strategies", "build", "solve", "plan", "compile", "total"]
+    assert sum(v for k, v in timings.items() if k != "total") == pytest.approx(timings["total"], abs=0.01)
+    assert timings["compile"] >= 0.0
+
+
+# ---------------------------------------------------------------- collectives as executed, plan-only
+
+
+def test_a_plan_only_run_lists_what_the_executor_would_issue() -> None:
+    """On a fake process group the executor's step is traced on fake tensors: unbucketed it
+    issues one collective per planned redistribution, bucketed what the executor's own
+    pass leaves of them."""
+    model = build_meta_model("llama3", "debugmodel", n_layers=2)
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp_shard", "tp"))
+    profile = load_profile("h100")
+    stages = plan_stages(model, mesh, global_batch_size=8, seq_len=128, profile=profile)
+    graph = fake_step_graph(stages, mesh)
+    per_tensor = executed_collectives(graph, MeshGroups.of(mesh), profile)
+    planned = dict(expected_collectives(stages.plan, backend="gloo"))
+    # One call per planned redistribution; DTensor runs one planned reduce-scatter of this
+    # plan as an all-reduce (then keeps its slice), which only the executed list shows.
+    assert sum(_per_kind(per_tensor).values()) == sum(planned.values())
+    assert _per_kind(per_tensor)["all_gather"] == planned["all_gather"]
+    stats = bucket_collectives(graph)  # the executor's pass
+    bucketed = traced_step_collectives(stages, mesh, profile, bucket=True)
+    for kind, after in stats.after.items():
+        assert _per_kind(bucketed)[kind] == after < stats.before[kind]
+    assert _per_kind(bucketed) == dict(graph_collectives(graph))
+    assert sum(_per_kind(bucketed).values()) < sum(_per_kind(per_tensor).values())
+    plan = stages.plan
+    plan.executed_collectives = [c.to_dict() for c in bucketed]
+    text = report_text(plan)
+    assert f"collectives per step as executed, after bucketing ({sum(c.count for c in bucketed)} calls" in text
+
+
+def _per_kind(found) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for c in found:
+        counts[c.kind] = counts.get(c.kind, 0) + c.count
+    return counts

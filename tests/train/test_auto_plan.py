@@ -49,6 +49,11 @@ def test_plan_json_has_the_documented_fields(dry_run) -> None:
     assert all(len(p) == 2 for p in plan["parameters"].values())
     # The default budget shards every weight over the data-parallel axis.
     assert all(p[0].startswith("S(") for p in plan["parameters"].values())
+    # The collectives the executor would issue (its step traced on fake tensors, bucketed):
+    # fewer calls than the plan's one per tensor, compile apart from the planner's stages.
+    executed = sum(c["count"] for c in plan["executed_collectives"])
+    assert 0 < executed < sum(c["count"] for c in plan["collectives"])
+    assert "compile" in plan["timings"]
 
 
 def test_tf32_matmuls_are_planned_at_tf32_rates(dry_run, tmp_path: Path) -> None:

@@ -7,8 +7,10 @@ plan.html, the plan-check fields in metrics.jsonl and the TensorBoard plan.
 
 from __future__ import annotations
 
+import ast
 import json
 import operator
+import re
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -165,6 +167,7 @@ def _check_tensorboard(folder: Path, plan: Plan, records: list[dict]) -> None:
     assert "plan/table/text_summary" in tags["tensors"], tags
     text = acc.Tensors("plan/table/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "sharding plan on mesh" in text
+    assert text.index("what this plan is:") < text.index("sharding plan on mesh")  # the words lead
     assert tags["images"] == ["plan/figure"]
     image = acc.Images("plan/figure")[0]
     assert image.width > 300 and image.height > 100 and image.encoded_image_string.startswith(b"\x89PNG")
@@ -218,3 +221,21 @@ def test_auto_training_run_checks_its_plan(tmp_path: Path) -> None:
     assert records[-1]["measured_over_predicted"] > 0
     _check_tensorboard(tmp_path / "tb", plan, records)
     assert json.loads((tmp_path / "plan.json").read_text())["predicted"]["peak_activation_bytes_per_device"] > 0
+    _check_executed_collectives(plan, out, run, tmp_path / "plan.html")
+
+
+def _check_executed_collectives(plan: Plan, out: str, run, page: Path) -> None:
+    """plan.json lists, per kind, as many collectives as the compiled step's graph calls
+    (its compile log line), and fewer than the plan's one-per-tensor where bucketing merged."""
+    logged = re.search(r"compiled into a local-tensor graph in [\d.]+ s \(\d+ nodes; collectives (\{[^}]*\})\)", out)
+    assert logged, run.tail()
+    in_graph = ast.literal_eval(logged.group(1))
+    executed: dict[str, int] = {}
+    for c in plan.executed_collectives:
+        executed[c["kind"]] = executed.get(c["kind"], 0) + c["count"]
+    assert executed == in_graph and executed, (executed, in_graph)
+    merged = re.search(r"bucketing: (.*)", out).group(1)
+    for kind, before, after in re.findall(r"(\w+) (\d+) -> (\d+)", merged):
+        assert executed.get(kind, 0) == int(after) and int(after) <= int(before), merged
+    assert "collectives per step as executed, after bucketing" in out
+    assert '<table id="executed"' in page.read_text()

@@ -242,12 +242,25 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def fmt_us(us: float) -> str:
-    if abs(us) >= 1e6:
-        return f"{us / 1e6:.3f} s"
-    if abs(us) >= 1e3:
-        return f"{us / 1e3:.3f} ms"
-    return f"{us:.1f} us"
+@dataclass(frozen=True)
+class TimeUnit:
+    """The one unit a table's times are shown in, named in its header."""
+
+    name: str  # "ms" or "s"
+    us: float  # microseconds in one
+
+    def __call__(self, us: float) -> str:
+        return f"{us / self.us:.3f}"
+
+
+MS = TimeUnit("ms", 1e3)
+SECONDS = TimeUnit("s", 1e6)
+
+
+def time_unit(values_us) -> TimeUnit:
+    """Seconds when the table's largest time is a second or more, else milliseconds."""
+    largest = max((abs(v) for v in values_us), default=0.0)
+    return SECONDS if largest >= 1e6 else MS
 
 
 # Distinguishable on white and legible with black text; more placements than

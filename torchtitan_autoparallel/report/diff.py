@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 
 from torchtitan_autoparallel.planner.plan.plan import Plan
 from torchtitan_autoparallel.report.common import (
+    MS,
+    TimeUnit,
     fmt_bytes,
-    fmt_us,
     peak_activation_bytes,
     predicted_step_us,
     split_layer,
+    time_unit,
 )
 
 
@@ -26,8 +28,9 @@ class NumberDelta:
     before: float | None
     after: float | None
 
-    def line(self) -> str:
-        fmt = fmt_us if self.unit == "us" else fmt_bytes
+    def line(self, times: TimeUnit = MS) -> str:
+        """Times in ``times`` (named in the block's header, not on the line), bytes with their unit."""
+        fmt = times if self.unit == "us" else fmt_bytes
         before = "n/a" if self.before is None else fmt(self.before)
         after = "n/a" if self.after is None else fmt(self.after)
         head = f"  {self.label:<28} {before:>12} -> {after:>12}"
@@ -58,14 +61,18 @@ class CollectiveChange:
     us_before: float  # time of one, 0 when absent
     us_after: float
 
-    def line(self) -> str:
+    @property
+    def totals_us(self) -> tuple[float, float]:
+        return self.us_before * self.count_before, self.us_after * self.count_after
+
+    def line(self, times: TimeUnit = MS) -> str:
         what = f"{self.kind} over {self.mesh_dim} ({self.purpose}) of {fmt_bytes(self.bytes)}"
-        total_b, total_a = self.us_before * self.count_before, self.us_after * self.count_after
+        total_b, total_a = self.totals_us
         if self.count_before == 0:
-            return f"  + {what}: {self.count_after} per step, {fmt_us(total_a)}"
+            return f"  + {what}: {self.count_after} per step, {times(total_a)}"
         if self.count_after == 0:
-            return f"  - {what}: {self.count_before} per step, {fmt_us(total_b)}"
-        return f"  ~ {what}: {self.count_before} -> {self.count_after} per step, {fmt_us(total_b)} -> {fmt_us(total_a)}"
+            return f"  - {what}: {self.count_before} per step, {times(total_b)}"
+        return f"  ~ {what}: {self.count_before} -> {self.count_after} per step, {times(total_b)} -> {times(total_a)}"
 
 
 @dataclass
@@ -169,15 +176,19 @@ def format_diff(d: PlanDiff, names: tuple[str, str] = ("A", "B")) -> str:
         lines.append(f"mesh: {d.mesh[0]} -> {d.mesh[1]}")
     else:
         lines.append(f"mesh: {d.mesh[0]} (unchanged)")
-    lines.append("predicted per step and device:")
-    lines += [n.line() for n in d.numbers]
+    timed = [v for n in d.numbers if n.unit == "us" for v in (n.before, n.after) if v is not None]
+    unit = time_unit(timed)
+    lines.append(f"predicted per step and device (times in {unit.name}):")
+    lines += [n.line(unit) for n in d.numbers]
     lines.append(_placement_header(d))
     width = max((len(c.name) for c in d.placements), default=0)
     lines += [f"  {c.name:<{width}}  {c.before} -> {c.after}" for c in d.placements]
     lines += [f"  only in {names[0]}: {p}" for p in d.only_before]
     lines += [f"  only in {names[1]}: {p}" for p in d.only_after]
-    lines.append(f"collectives: {len(d.collectives)} changed (+ added, - removed, ~ count or time changed)")
-    lines += [c.line() for c in d.collectives]
+    unit = time_unit([t for c in d.collectives for t in c.totals_us])
+    lines.append(f"collectives: {len(d.collectives)} changed (+ added, - removed, ~ count or time changed; "
+                 f"times per step in {unit.name})")
+    lines += [c.line(unit) for c in d.collectives]
     return "\n".join(lines)
 
 

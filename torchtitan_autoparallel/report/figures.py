@@ -14,7 +14,13 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from torchtitan_autoparallel.planner.plan.plan import Plan
-from torchtitan_autoparallel.report.common import fmt_bytes, fmt_us, group_blocks, placement_colors, predicted_step_us
+from torchtitan_autoparallel.report.common import (
+    fmt_bytes,
+    group_blocks,
+    placement_colors,
+    predicted_step_us,
+    time_unit,
+)
 
 TOP_COLLECTIVES = 6
 
@@ -65,11 +71,13 @@ def plan_png(plan: Plan) -> bytes:
 def _title(draw: ImageDraw.ImageDraw, plan: Plan, lay: _Layout, font) -> int:
     mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh["names"], plan.mesh["sizes"]))
     p = plan.predicted
+    step = predicted_step_us(plan)
+    unit = time_unit([step, p["compute_us"], p["comm_us"]])
     draw.text((lay.margin, lay.margin), f"plan on mesh {mesh} ({plan.solver}, {plan.status})", fill="black", font=font)
     draw.text(
         (lay.margin, lay.margin + lay.line_h),
-        f"predicted step {fmt_us(predicted_step_us(plan))}: compute {fmt_us(p['compute_us'])}, "
-        f"communication {fmt_us(p['comm_us'])}; parameters {fmt_bytes(p['param_bytes_per_device'])}/device",
+        f"predicted step ({unit.name}) {unit(step)}: compute {unit(p['compute_us'])}, "
+        f"communication {unit(p['comm_us'])}; parameters {fmt_bytes(p['param_bytes_per_device'])}/device",
         fill="black",
         font=font,
     )
@@ -102,18 +110,20 @@ def _legend(draw, colors, lay: _Layout, font, y: int) -> int:
 
 
 def _collectives(draw, heavy, lay: _Layout, font, y: int) -> None:
-    draw.text((lay.margin, y), "heaviest collectives per step (count x time):", fill="black", font=font)
+    top = max((c.us * c.count for c in heavy), default=0.0)
+    unit = time_unit([top])
+    draw.text((lay.margin, y), f"heaviest collectives per step (count x time, {unit.name}):", fill="black", font=font)
     y += lay.line_h
     if not heavy:
         draw.text((lay.margin, y), "none: the plan communicates nothing", fill="black", font=font)
         return
-    top = max(c.us * c.count for c in heavy) or 1.0
+    top = top or 1.0
     for rank, c in enumerate(heavy):
         total = c.us * c.count
         length = max(2, int(lay.bar_w * total / top))
         # The heaviest is red: the first place to look when the step is slow.
         fill = (214, 39, 40) if rank == 0 else (31, 119, 180)
         draw.rectangle((lay.margin, y + 3, lay.margin + length, y + lay.line_h - 3), fill=fill)
-        text = f"{c.kind} {c.mesh_dim} {c.purpose}: {c.count} x {fmt_bytes(c.bytes)} = {fmt_us(total)}"
+        text = f"{c.kind} {c.mesh_dim} {c.purpose}: {c.count} x {fmt_bytes(c.bytes)} = {unit(total)}"
         draw.text((lay.margin + lay.bar_w + 8, y + 1), text, fill="black", font=font)
         y += lay.line_h

@@ -14,17 +14,21 @@ from torchtitan_autoparallel.planner.plan.plan import Collective, Plan
 from torchtitan_autoparallel.report.common import (
     DEFAULT_WARN_GIB,
     GIB,
+    SECONDS,
     Block,
+    TimeUnit,
     fmt_bytes,
-    fmt_us,
     group_blocks,
     large_buffers,
     memory_fit,
     peak_activation_bytes,
     placement_colors,
     predicted_step_us,
+    time_unit,
 )
+from torchtitan_autoparallel.report.executed import ExecutedCollective, from_dicts
 from torchtitan_autoparallel.report.figures import plan_png
+from torchtitan_autoparallel.report.words import plan_words
 
 _CSS = """
 body { font-family: sans-serif; margin: 1.5em; color: #222; }
@@ -53,14 +57,16 @@ def render_html(plan: Plan, warn_bytes: float = DEFAULT_WARN_GIB * GIB, title: s
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>',
         f"<style>{_CSS}</style></head><body>",
         f'<h1>Sharding plan on mesh <span id="mesh">{_e(mesh)}</span></h1>',
-        f'<p class="muted">solver {_e(plan.solver)} ({_e(plan.status)}), objective {_e(fmt_us(plan.objective))}, '
-        f"lower bound {_e(fmt_us(plan.lower_bound))}; placements list one entry per mesh dim, "
+        _words_section(plan),
+        f'<p class="muted">solver {_e(plan.solver)} ({_e(plan.status)}), objective {plan.objective / 1e3:.3f} ms, '
+        f"lower bound {plan.lower_bound / 1e3:.3f} ms; placements list one entry per mesh dim, "
         f"{_e(', '.join(plan.mesh['names']))} in that order. S(d): sharded on tensor dim d, R: replicated, "
         "P: partial sums.</p>",
         _warnings_section(plan, warn_bytes),
         _cost_section(plan),
         _memory_section(plan),
         _placements_section(plan),
+        _executed_section(plan),
         _collectives_section(plan),
         _figure_section(plan),
         _timings_section(plan),
@@ -73,6 +79,11 @@ def write_html(plan: Plan, path: str | Path, warn_bytes: float = DEFAULT_WARN_GI
     out = Path(path)
     out.write_text(render_html(plan, warn_bytes, title=f"plan: {out.parent.name or out.stem}"))
     return out
+
+
+def _words_section(plan: Plan) -> str:
+    sentences = "".join(f"<li>{_e(s)}</li>" for s in plan_words(plan))
+    return f'<h2>What this plan is</h2><ul id="words">{sentences}</ul>'
 
 
 def _warnings_section(plan: Plan, warn_bytes: float) -> str:
@@ -105,14 +116,16 @@ def _cost_section(plan: Plan) -> str:
         ("optimizer_us", p.get("optimizer_us", 0.0), "clipping + AdamW (calibrated profiles)"),
         ("step_us", step, "predicted step time"),
     ]
-    body = "".join(f"<tr><th>{_e(name)}</th>{_num(key, float(v), fmt_us(v))}</tr>" for key, v, name in rows)
+    unit = time_unit(v for _, v, _ in rows)
+    body = "".join(f"<tr><th>{_e(name)}</th>{_num(key, float(v), unit(v))}</tr>" for key, v, name in rows)
     total = max(p["total_us"], 1e-9)
     bar = (
         f'<div class="bar" title="compute vs communication"><div style="width:{100 * p["compute_us"] / total:.2f}%;'
         f'background:#1f77b4"></div><div style="width:{100 * p["comm_us"] / total:.2f}%;background:#ff7f0e"></div></div>'
         '<p class="muted">blue: compute, orange: communication</p>'
     )
-    return f'<h2>Predicted cost per step</h2><table id="cost">{body}</table>{bar}'
+    head = f"<tr><th>term</th><th>time ({unit.name})</th></tr>"
+    return f'<h2>Predicted cost per step ({unit.name})</h2><table id="cost" data-unit="{unit.name}">{head}{body}</table>{bar}'
 
 
 def _memory_section(plan: Plan) -> str:
@@ -178,23 +191,64 @@ def _cells(block: Block, colors: dict[str, tuple[int, int, int]]) -> str:
 
 def _collectives_section(plan: Plan) -> str:
     ordered: list[Collective] = sorted(plan.collectives, key=lambda c: -c.us * c.count)
-    head = "<tr><th>kind</th><th>mesh dim</th><th>purpose</th><th>bytes</th><th>time each</th><th>count</th><th>total</th></tr>"
-    rows = [head]
+    total = sum(c.us * c.count for c in ordered)
+    unit = time_unit([total])  # the sum row is the table's largest time
+    rows = [_collective_head(unit, "purpose")]
     for c in ordered:
         rows.append(
             f'<tr class="collective" data-kind="{_e(c.kind)}" data-mesh-dim="{_e(c.mesh_dim)}" '
             f'data-purpose="{_e(c.purpose)}" data-bytes="{float(c.bytes)!r}" data-us="{float(c.us)!r}" '
             f'data-count="{int(c.count)}"><td>{_e(c.kind)}</td><td>{_e(c.mesh_dim)}</td><td>{_e(c.purpose)}</td>'
-            f'<td class="num">{_e(fmt_bytes(c.bytes))}</td><td class="num">{_e(fmt_us(c.us))}</td>'
-            f'<td class="num">{c.count}</td><td class="num">{_e(fmt_us(c.us * c.count))}</td></tr>'
+            f"{_collective_cells(c.bytes, c.us, c.count, unit)}</tr>"
         )
-    total = sum(c.us * c.count for c in ordered)
-    total_cell = _num("collectives_total_us", total, fmt_us(total))
+    total_cell = _num("collectives_total_us", total, unit(total))
     rows.append(f'<tr><th colspan="6">sum (equals the predicted communication time)</th>{total_cell}</tr>')
     return (
-        f'<h2>Collectives per step ({len(ordered)} kinds)</h2><p class="muted">Bytes are the full buffer on one device '
-        "(gathered or reduced), the local shard for all_to_all; heaviest first.</p>"
-        f'<table id="collectives">{"".join(rows)}</table>'
+        f"<h2>Collectives per step as planned, one per tensor ({len(ordered)} kinds; {unit.name})</h2>"
+        '<p class="muted">What the plan prices, before the executor merges them into buckets. Bytes are the '
+        "full buffer on one device (gathered or reduced), the local shard for all_to_all; heaviest first.</p>"
+        f'<table id="collectives" data-unit="{unit.name}">{"".join(rows)}</table>'
+    )
+
+
+def _executed_section(plan: Plan) -> str:
+    executed: list[ExecutedCollective] = from_dicts(plan.executed_collectives)
+    if not executed:
+        return (
+            '<h2>Collectives per step as executed</h2><p class="muted" id="executed-none">Not listed: the '
+            "executor merges the planned collectives into buckets when it compiles the step; a training run "
+            "writes what it then issues into this report after its first step, a plan-only run traces the "
+            "step on fake tensors for small models only (train/auto.py), and autoparallel.compile = false "
+            "runs the planned collectives below one per tensor.</p>"
+        )
+    total = sum(c.us * c.count for c in executed)
+    unit = time_unit([total])
+    rows = [_collective_head(unit)]
+    for c in executed:
+        rows.append(
+            f'<tr class="executed" data-kind="{_e(c.kind)}" data-mesh-dim="{_e(c.mesh_dim)}" '
+            f'data-bytes="{float(c.bytes)!r}" data-us="{float(c.us)!r}" data-count="{int(c.count)}">'
+            f"<td>{_e(c.kind)}</td><td>{_e(c.mesh_dim)}</td>{_collective_cells(c.bytes, c.us, c.count, unit)}</tr>"
+        )
+    calls = sum(c.count for c in executed)
+    rows.append(f'<tr><th colspan="5">sum ({calls} calls)</th>{_num("executed_total_us", total, unit(total))}</tr>')
+    return (
+        f"<h2>Collectives per step as executed, after bucketing ({calls} calls; {unit.name})</h2>"
+        '<p class="muted">Read from the compiled step graph the executor runs, priced by the same cost model; '
+        "heaviest first.</p>"
+        f'<table id="executed" data-unit="{unit.name}">{"".join(rows)}</table>'
+    )
+
+
+def _collective_head(unit: TimeUnit, *extra: str) -> str:
+    named = "".join(f"<th>{_e(x)}</th>" for x in ("kind", "mesh dim", *extra))
+    return f"<tr>{named}<th>bytes</th><th>time each ({unit.name})</th><th>count</th><th>total ({unit.name})</th></tr>"
+
+
+def _collective_cells(nbytes: float, us: float, count: int, unit: TimeUnit) -> str:
+    return (
+        f'<td class="num">{_e(fmt_bytes(nbytes))}</td><td class="num">{unit(us)}</td>'
+        f'<td class="num">{count}</td><td class="num">{unit(us * count)}</td>'
     )
 
 
@@ -205,5 +259,12 @@ def _figure_section(plan: Plan) -> str:
 
 
 def _timings_section(plan: Plan) -> str:
-    rows = "".join(f"<tr><th>{_e(k)}</th>{_num('timing_' + k, float(v), f'{v:.2f} s')}</tr>" for k, v in plan.timings.items())
-    return f'<h2>Planner timings</h2><table id="timings">{rows}</table>'
+    rows = "".join(
+        f"<tr><th>{_e(_TIMING_NAMES.get(k, k))}</th>{_num('timing_' + k, float(v), SECONDS(v * 1e6))}</tr>"
+        for k, v in plan.timings.items()
+    )
+    head = "<tr><th>stage</th><th>time (s)</th></tr>"
+    return f'<h2>Planner timings (s)</h2><table id="timings" data-unit="s">{head}{rows}</table>'
+
+
+_TIMING_NAMES = {"compile": "compile (numba compiling or loading the planner's loops; apart from the stages)"}

@@ -27,6 +27,7 @@ from torchtitan_autoparallel.planner.cost.step_terms import StepTerms, alloc_us,
 from torchtitan_autoparallel.planner.plan.plan import Plan
 from torchtitan_autoparallel.report.common import peak_activation_bytes
 from torchtitan_autoparallel.report.figures import plan_image
+from torchtitan_autoparallel.report.text import words_text
 
 WARMUP_STEPS = 2
 # A measured step this far from the prediction, either way, points at the cost profile's
@@ -131,8 +132,7 @@ def _term_scalars(terms: StepTerms, micro_batches: int) -> dict[str, float]:
 
 
 def write_plan_to_tensorboard(tb, plan: Plan, micro_batches: int) -> None:
-    """Plan scalars (ms, at step 0), the plan table as text and the plan figure."""
-
+    """Plan scalars (ms, at step 0), the plan in words and its table as text, and the plan figure."""
     scalars = _term_scalars(plan_terms(plan), micro_batches)
     scalars["plan/param_gib_per_device"] = plan.predicted["param_bytes_per_device"] / 2**30
     peak = peak_activation_bytes(plan)
@@ -141,7 +141,8 @@ def write_plan_to_tensorboard(tb, plan: Plan, micro_batches: int) -> None:
     for tag, value in scalars.items():
         tb.add_scalar(tag, value, 0)
     # Four leading spaces make TensorBoard's markdown keep the table's columns.
-    tb.add_text("plan/table", "\n".join("    " + line for line in plan.table().splitlines()), 0)
+    text = f"{words_text(plan)}\n{plan.table()}"
+    tb.add_text("plan/table", "\n".join("    " + line for line in text.splitlines()), 0)
     tb.add_image("plan/figure", plan_image(plan), 0, dataformats="HWC")
     tb.flush()
 

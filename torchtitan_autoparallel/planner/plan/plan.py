@@ -69,6 +69,10 @@ class Plan:
     # planner solved (``--autoparallel.export_problem`` writes it; docs/problem_format.md):
     # what re-scores the plan independently of this package.
     assignment: list[int] = field(default_factory=list)
+    # The collectives the compiled step issues once bucketed, by kind, mesh dim and size
+    # (``report/executed.py`` records as dicts): written by a training run once it compiles
+    # its step, or by a plan-only run from the step traced on fake tensors; else empty.
+    executed_collectives: list[dict[str, Any]] = field(default_factory=list)
 
     # ------------------------------------------------------------ accessors
 
