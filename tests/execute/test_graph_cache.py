@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _graphs import _inputs, _trace
 from torch import fx
 
-from test_bucketing import _inputs, _trace
 from torchtitan_autoparallel.execute import graph_cache
 from torchtitan_autoparallel.execute.bucketing import bucket_collectives
 from torchtitan_autoparallel.execute.graph_cache import GraphEntryError, load_entry, used_groups

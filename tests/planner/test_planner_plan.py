@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.cost.profiles import load_profile
 from torchtitan_autoparallel.planner.plan.api import plan_stages, plan_training_step
+from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.plan.plan import Plan
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
 
@@ -79,7 +80,7 @@ def test_exported_problem_reloads_and_scores_the_same(plan_2d):
 
 
 def test_repeated_layers_share_their_tables(model, mesh_2d):
-    stages = plan_stages(model, mesh_2d, global_batch_size=8, seq_len=256, profile=PROFILE)
+    stages = plan_stages(model, mesh_2d, PlannerOptions(global_batch_size=8, seq_len=256, profile=PROFILE))
     problem = stages.built.problem
     distinct = {id(t): t for t in problem.pairwise}
     # four blocks ask the same questions: far fewer tables than edges, none writable

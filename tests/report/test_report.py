@@ -24,6 +24,7 @@ from torchtitan_autoparallel.execute.compiled import graph_collectives
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.cost.profiles import load_profile
 from torchtitan_autoparallel.planner.plan.api import plan_stages, plan_training_step
+from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.plan.plan import Plan
 from torchtitan_autoparallel.report.__main__ import main as report_main
 from torchtitan_autoparallel.report.common import (
@@ -492,7 +493,7 @@ def test_a_plan_only_run_lists_what_the_executor_would_issue() -> None:
     model = build_meta_model("llama3", "debugmodel", n_layers=2)
     mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp_shard", "tp"))
     profile = load_profile("h100")
-    stages = plan_stages(model, mesh, global_batch_size=8, seq_len=128, profile=profile)
+    stages = plan_stages(model, mesh, PlannerOptions(global_batch_size=8, seq_len=128, profile=profile))
     graph = fake_step_graph(stages, mesh)
     per_tensor = executed_collectives(graph, MeshGroups.of(mesh), profile)
     planned = dict(expected_collectives(stages.plan, backend="gloo"))

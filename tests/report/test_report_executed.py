@@ -12,7 +12,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
-from test_bucketing import _trace
+from _graphs import _trace
 from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan_autoparallel.execute.bucketing import bucket_collectives

@@ -105,25 +105,25 @@ def bucketed_collectives(
 
 
 def traced_step_collectives(
-    stages: ExecutablePlan, mesh: DeviceMesh, profile: HardwareProfile, bucket: bool = True
+    executable: ExecutablePlan, mesh: DeviceMesh, profile: HardwareProfile, bucket: bool = True
 ) -> list[ExecutedCollective]:
     """What the executor's compiled step would issue (bucketed when ``bucket``, as
     ``autoparallel.bucket_collectives`` asks), traced on fake tensors."""
-    gm = fake_step_graph(stages, mesh)
+    gm = fake_step_graph(executable, mesh)
     if bucket:
         bucket_collectives(gm)
     return executed_collectives(gm, MeshGroups.of(mesh), profile)
 
 
-def fake_step_graph(stages: ExecutablePlan, mesh: DeviceMesh) -> fx.GraphModule:
+def fake_step_graph(executable: ExecutablePlan, mesh: DeviceMesh) -> fx.GraphModule:
     """The executor's local step graph, its parameters and batch fake: the trace's shapes only."""
-    traced = stages.traced
+    traced = executable.traced
     with FakeTensorMode(allow_non_fake_inputs=True):
         full = FullValues(
             {fqn: _fake(node) for fqn, node in traced.params.items()},
             {fqn: _fake(node) for fqn, node in traced.buffers.items()},
         )
-        step = build_executable(traced, stages.built, stages.solution, mesh, full)
+        step = build_executable(executable, mesh, full)
         tokens, labels = step.distribute_batch(_fake(traced.tokens), _fake(traced.labels))
         return trace_local_graph(step, tokens, labels)
 
