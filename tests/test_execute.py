@@ -238,7 +238,7 @@ def test_parameters_are_placed_as_planned_and_bound_to_a_model(mesh2):
     from torchtitan_autoparallel.planner.cost_model import placement_str
     from torchtitan_autoparallel.planner.plan import plan_from_solution
     from torchtitan_autoparallel.planner.profiles import load_profile
-    from torchtitan_autoparallel.planner.solvers import get_solver
+    from torchtitan_autoparallel.planner.solve import get_solver
     from torchtitan_autoparallel.planner.strategy import enumerate_strategies
     from torchtitan_autoparallel.planner.trace import trace_training_step
 

@@ -25,7 +25,7 @@ from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.api import plan_stages
 from torchtitan_autoparallel.planner.build import BuiltProblem
 from torchtitan_autoparallel.planner.profiles import load_profile
-from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solve.base import Solution
 
 PLAN_KWARGS = dict(global_batch_size=4, seq_len=32, profile=load_profile("h100"), time_limit_s=60)
 

@@ -9,7 +9,7 @@ from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.build import build_problem
 from torchtitan_autoparallel.planner.profiles import load_profile
 from torchtitan_autoparallel.planner.repeats import _phase_layer_groups, repeated_layer_ties
-from torchtitan_autoparallel.planner.solvers import get_solver
+from torchtitan_autoparallel.planner.solve import get_solver
 from torchtitan_autoparallel.planner.strategy import enumerate_strategies
 from torchtitan_autoparallel.planner.trace import trace_training_step
 

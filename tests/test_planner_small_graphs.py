@@ -16,8 +16,8 @@ from torchtitan_autoparallel.planner.cost_model import collective_time_us, mesh_
 from torchtitan_autoparallel.planner.plan import Plan, plan_from_solution
 from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.profiles import load_profile
-from torchtitan_autoparallel.planner.solvers import get_solver
-from torchtitan_autoparallel.planner.solvers.brute_force import BruteForceSolver
+from torchtitan_autoparallel.planner.solve import get_solver
+from torchtitan_autoparallel.planner.solve.brute_force import BruteForceSolver
 from torchtitan_autoparallel.planner.strategy import enumerate_strategies
 from torchtitan_autoparallel.planner.trace import BatchSpec, trace_training_step
 

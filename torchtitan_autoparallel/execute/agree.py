@@ -20,8 +20,8 @@ from torch import fx
 
 from torchtitan_autoparallel.planner.build import BuiltProblem
 from torchtitan_autoparallel.planner.problem import InfeasibleProblem
-from torchtitan_autoparallel.planner.solvers.base import Solution
-from torchtitan_autoparallel.planner.solvers.ilp import SolverTimeout
+from torchtitan_autoparallel.planner.solve.base import Solution
+from torchtitan_autoparallel.planner.solve.base import SolverTimeout
 
 
 class PlanMismatch(RuntimeError):

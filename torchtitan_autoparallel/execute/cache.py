@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves
 from torchtitan_autoparallel.execute.agree import agree_on_solution, fingerprint
 from torchtitan_autoparallel.planner.api import SolveHook
 from torchtitan_autoparallel.planner.build import BuiltProblem
-from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solve.base import Solution
 
 log = logging.getLogger("torchtitan_autoparallel.execute")
 

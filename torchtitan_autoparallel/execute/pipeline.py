@@ -22,7 +22,7 @@ from torchtitan_autoparallel.execute.step import FullValues, PlannedStep, build_
 from torchtitan_autoparallel.planner.api import plan_stages
 from torchtitan_autoparallel.planner.build import BuiltProblem
 from torchtitan_autoparallel.planner.plan import Plan
-from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solve.base import Solution
 from torchtitan_autoparallel.planner.trace import TracedStep
 
 log = logging.getLogger("torchtitan_autoparallel.execute")

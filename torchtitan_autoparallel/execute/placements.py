@@ -17,7 +17,7 @@ from torch.distributed.tensor.placement_types import Placement, Shard, _StridedS
 
 from torchtitan_autoparallel.planner.build import BuiltProblem
 from torchtitan_autoparallel.planner.placement import Placements
-from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solve.base import Solution
 from torchtitan_autoparallel.planner.strategy import Strategy
 
 

@@ -30,7 +30,7 @@ from torchtitan_autoparallel.execute.placements import chosen_strategies, placem
 from torchtitan_autoparallel.execute.redistribute import redistribute_to
 from torchtitan_autoparallel.planner.build import BuiltProblem
 from torchtitan_autoparallel.planner.placement import Placements
-from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solve.base import Solution
 from torchtitan_autoparallel.planner.strategy import Strategy
 from torchtitan_autoparallel.planner.trace import TracedStep
 

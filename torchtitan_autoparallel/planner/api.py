@@ -26,10 +26,9 @@ from torchtitan_autoparallel.planner.plan import Plan, plan_from_solution
 from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.profiles import HardwareProfile
 from torchtitan_autoparallel.planner.repeats import repeated_layer_ties
-from torchtitan_autoparallel.planner.solvers import get_solver
-from torchtitan_autoparallel.planner.solvers.auto import choose
-from torchtitan_autoparallel.planner.solvers.base import Solution
-from torchtitan_autoparallel.planner.solvers.overlap import overlap_solver
+from torchtitan_autoparallel.planner.solve import get_solver
+from torchtitan_autoparallel.planner.solve.registry import choose, overlap_solver
+from torchtitan_autoparallel.planner.solve.base import Solution
 from torchtitan_autoparallel.planner.strategy import enumerate_strategies
 from torchtitan_autoparallel.planner.trace import BatchSpec, LossFn, TracedStep, trace_training_step
 from torchtitan_autoparallel.train.loss import cross_entropy_loss
@@ -103,7 +102,7 @@ def plan_stages(
     ``InfeasibleProblem`` (naming the smallest feasible budget) when
     ``memory_budget_gib`` cannot hold the parameters. ``loss_fn`` and
     ``batch`` replace the token batch and cross-entropy for non-LLM models.
-    ``solver`` is ``ilp``, ``lp``, ``approx`` or ``auto`` (``solvers/__init__.py``);
+    ``solver`` is ``ilp``, ``approx`` or ``auto`` (``solve/registry.py``);
     ``optimality_check`` adds the LP bound to the plan's ``lower_bound``.
     ``mip_gap`` stops the exact search once the plan is proven within that
     relative gap (None: the ILP proves the optimum, the overlap MIP stops at 0.1%).
@@ -112,8 +111,8 @@ def plan_stages(
     and the executor runs the recomputation. ``strided_sharding`` lets the
     matmul family take the strided shards views produce (``strided.py``).
     ``overlap`` credits parameter gathers and gradient reductions hidden behind
-    compute (``overlap.py``): ``ilp``/``lp`` solve the overlap MIP/LP (warm-started
-    by the theta sweep of ``solvers/overlap_lagrange.py``), ``approx`` runs the
+    compute (``overlap.py``): ``ilp`` solves the overlap MIP (warm-started
+    by the theta sweep of ``solve/overlap/lagrange.py``), ``approx`` runs the
     sweep on TRW-S, ``auto`` picks by problem size.
     """
     clock = _StageClock()

@@ -29,7 +29,7 @@ from torchtitan_autoparallel.planner.cost_model import (
 from torchtitan_autoparallel.planner.memory import predicted_peak, whole_peak
 from torchtitan_autoparallel.planner.placement import label
 from torchtitan_autoparallel.planner.rules import VIEW_OPS
-from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solve.base import Solution
 from torchtitan_autoparallel.planner.trace import TracedStep
 
 

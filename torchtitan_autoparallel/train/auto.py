@@ -105,7 +105,7 @@ def _cache_settings(job: JobConfig) -> dict:
 def _planning_errors(job: JobConfig) -> Iterator[None]:
     """Turn the planner's expected failures into one-line user errors."""
     from torchtitan_autoparallel.planner.problem import InfeasibleProblem
-    from torchtitan_autoparallel.planner.solvers.ilp import SolverTimeout
+    from torchtitan_autoparallel.planner.solve.base import SolverTimeout
 
     a = job.autoparallel
     try:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.solvers.reduce import DOMINANCE_MAX_WORK, swap_difference
+from torchtitan_autoparallel.planner.solve.presolve.reduce import DOMINANCE_MAX_WORK, swap_difference
 
 CHUNK = 4_000_000  # elements of the (rows, k, width) difference block built at once
 

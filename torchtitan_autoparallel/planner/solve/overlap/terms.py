@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem import Problem
-from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel
+from torchtitan_autoparallel.planner.solve.exact.model import IlpModel
 
 
 @dataclass

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel.planner import jit
-from torchtitan_autoparallel.planner.solvers import kernels
-from torchtitan_autoparallel.planner.solvers.mrf import Mrf
+from torchtitan_autoparallel.planner.solve.approx import kernels
+from torchtitan_autoparallel.planner.solve.approx.mrf import Mrf
 
 GAIN_RTOL = 1e-12  # a move must gain more than this (relative) to count
 SKIP_SETTLED = True  # star rounds skip centres whose answer cannot have changed

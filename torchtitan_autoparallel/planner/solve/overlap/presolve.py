@@ -41,17 +41,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem import Problem
-from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel
-from torchtitan_autoparallel.planner.solvers.overlap_dominance import NodeOverlap, overlap_margin
-from torchtitan_autoparallel.planner.solvers.overlap_model import OverlapSpec
-from torchtitan_autoparallel.planner.solvers.overlap_terms import (
+from torchtitan_autoparallel.planner.solve.exact.model import IlpModel
+from torchtitan_autoparallel.planner.solve.overlap.dominance import NodeOverlap, overlap_margin
+from torchtitan_autoparallel.planner.solve.overlap.model import OverlapSpec
+from torchtitan_autoparallel.planner.solve.overlap.terms import (
     ColumnIndex,
     LinearBuilder,
     OverlapTerms,
     overlappable,
 )
-from torchtitan_autoparallel.planner.solvers.presolve import Presolved, presolve
-from torchtitan_autoparallel.planner.solvers.reduce import Graph, beaten
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import Presolved, presolve
+from torchtitan_autoparallel.planner.solve.presolve.reduce import Graph, beaten
 
 
 class OverlapGraph(Graph):

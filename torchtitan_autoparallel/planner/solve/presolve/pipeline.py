@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem import FlatProblem, InfeasibleProblem, Problem
-from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
-from torchtitan_autoparallel.planner.solvers.collapse import collapse
-from torchtitan_autoparallel.planner.solvers.reduce import Graph
+from torchtitan_autoparallel.planner.solve.base import Solution, Solver
+from torchtitan_autoparallel.planner.solve.presolve.collapse import collapse
+from torchtitan_autoparallel.planner.solve.presolve.reduce import Graph
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 ENERGY_RTOL = 1e-6  # reduced energy + offset vs the expanded plan's energy
