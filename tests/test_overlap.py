@@ -11,6 +11,11 @@ from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.solve import get_solver, overlap_solver
 from torchtitan_autoparallel.planner.solve.overlap.solver import overlap_breakdown, overlap_savings
 from torchtitan_autoparallel.planner.solve.overlap.model import OverlapSpec
+from torchtitan_autoparallel.planner.solve.overlap.presolve import overlap_presolve
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
+from torchtitan_autoparallel.planner.solve.exact.ilp import HighsILPSolver
+from torchtitan_autoparallel.planner.solve.overlap.model import build_overlap_ilp
+from torchtitan_autoparallel.planner.solve.overlap.solver import OVERLAP_MIP_GAP
 
 TOL = 1e-6
 
@@ -264,7 +269,6 @@ def _assert_caps(problem: Problem, spec: OverlapSpec, x: np.ndarray) -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_presolved_overlap_matches_the_full_model_and_brute_force(seed):
-    from torchtitan_autoparallel.planner.solve.overlap.presolve import overlap_presolve
 
     problem, spec = _layered_problem(np.random.default_rng(seed))
     pre = overlap_presolve(problem, spec)
@@ -313,8 +317,6 @@ def test_presolve_keeps_a_node_whose_compute_buys_overlap():
         pairwise=[np.array([[10.0]]), np.array([[5.0], [0.0]])],
     )
     spec = OverlapSpec(3, prefetch=[0], backward=[])
-    from torchtitan_autoparallel.planner.solve.overlap.presolve import overlap_presolve
-    from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 
     assert "a" not in presolve(problem).reduced.node_names  # the plain presolve folds it away
     assert "a" in overlap_presolve(problem, spec).reduced.node_names
@@ -326,8 +328,6 @@ def test_presolve_keeps_a_node_whose_compute_buys_overlap():
 def test_fixed_plan_savings_match_the_pinned_model(seed):
     from dataclasses import replace
 
-    from torchtitan_autoparallel.planner.solve.exact.ilp import HighsILPSolver
-    from torchtitan_autoparallel.planner.solve.overlap.model import build_overlap_ilp
 
     problem, spec = _random_problem(np.random.default_rng(300 + seed), n=6)
     x = get_solver("ilp").solve(problem).assignment
@@ -346,8 +346,6 @@ def test_debug_model_overlap_with_and_without_presolve_agree():
     from torchtitan_autoparallel.models.registry import build_meta_model
     from torchtitan_autoparallel.planner.api import plan_stages
     from torchtitan_autoparallel.planner.overlap import overlap_spec
-    from torchtitan_autoparallel.planner.solve.overlap.solver import OVERLAP_MIP_GAP
-    from torchtitan_autoparallel.planner.solve.overlap.presolve import overlap_presolve
     from torchtitan_autoparallel.planner.profiles import load_profile
 
     mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))

@@ -20,6 +20,8 @@ from torchtitan_autoparallel.planner.solve.overlap.lagrange import (
 )
 from torchtitan_autoparallel.planner.solve.overlap.model import OverlapSpec
 from torchtitan_autoparallel.planner.solve.overlap.terms import overlappable
+from torchtitan_autoparallel.planner.problem import Problem
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 
 TOL = 1e-6
 
@@ -141,8 +143,6 @@ def test_exact_path_reports_the_better_of_sweep_and_mip_bounds():
 def test_restrict_inverts_expand_and_refuses_dropped_strategies():
     import itertools
 
-    from torchtitan_autoparallel.planner.problem import Problem
-    from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 
     rng = np.random.default_rng(11)
     pairs = [(u, v) for u in range(5) for v in range(u + 1, 5)]  # K5: nothing to eliminate

@@ -18,6 +18,14 @@ from torchtitan_autoparallel.planner.solve import (
 from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 from torchtitan_autoparallel.planner.solve.presolve import reduce
 from torchtitan_autoparallel.planner.solve.presolve.collapse import collapse_ties
+from torchtitan_autoparallel.planner.solve.presolve.reduce import beaten, swap_difference
+from torchtitan_autoparallel.planner.solve.presolve.kernels import (
+    dominated,
+    first_argmin_plus,
+    min_plus,
+    scan,
+    separable,
+)
 
 
 def make_problem(
@@ -334,7 +342,6 @@ def _wide_problem(seed: int) -> Problem:
 
 def _dominated_by_full_check(graph, v: int) -> np.ndarray:  # noqa: ANN001 (reduce.Graph)
     """Dead-end elimination as its formula reads: every pair, every column."""
-    from torchtitan_autoparallel.planner.solve.presolve.reduce import beaten, swap_difference
 
     unary = graph.unary[v]
     margin = unary[:, None] - unary[None, :]
@@ -361,7 +368,6 @@ def test_presolve_of_wide_nodes_keeps_the_optimum(seed: int) -> None:
 
 @pytest.mark.parametrize("shape", [(3, 40, 5), (70, 30, 90), (64, 1, 64)])
 def test_min_plus_equals_the_block_min_and_argmin(shape: tuple[int, int, int]) -> None:
-    from torchtitan_autoparallel.planner.solve.presolve.kernels import first_argmin_plus, min_plus
 
     rng = np.random.default_rng(sum(shape))
     ku, kv, kw = shape
@@ -405,7 +411,6 @@ def test_pairwise_sum_is_numpys_sum(length: int) -> None:
 
 
 def test_separable_tables_are_recognised_in_either_layout() -> None:
-    from torchtitan_autoparallel.planner.solve.presolve.kernels import separable
 
     rng = np.random.default_rng(0)
     a, b = rng.uniform(0, 1e3, size=7), rng.uniform(0, 1e3, size=5)
@@ -422,7 +427,6 @@ def test_scan_finds_the_separable_tables_and_the_usable_strategies() -> None:
     """``kernels.scan`` (a node's first look in the presolve) agrees with its
     definition: ``separable`` per table; usable means a finite unary, a finite
     entry in each table's row, and finite memory within the limit."""
-    from torchtitan_autoparallel.planner.solve.presolve.kernels import scan, separable
 
     rng = np.random.default_rng(3)
     for trial in range(40):
@@ -487,8 +491,6 @@ def test_reduction_is_logged(caplog) -> None:
 def test_dominance_kernel_matches_the_formula_on_near_ties(seed: int) -> None:
     """Rows that nearly copy one another (rounded, so many pairs tie or pass the cheap
     bounds and fail only at the exact sum), forbidden entries and memory."""
-    from torchtitan_autoparallel.planner.solve.presolve.kernels import dominated
-    from torchtitan_autoparallel.planner.solve.presolve.reduce import beaten, swap_difference
 
     rng = np.random.default_rng(seed)
     checked = dropped = 0

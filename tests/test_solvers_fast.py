@@ -34,6 +34,8 @@ from torchtitan_autoparallel.planner.solve.exact.rounding import round_and_polis
 from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 from torchtitan_autoparallel.planner.solve.approx.mrf import build_mrf
 from torchtitan_autoparallel.planner.solve.approx.trws import Trws
+from torchtitan_autoparallel.planner.solve.approx.trws import _stalled
+from torchtitan_autoparallel.planner.solve.approx import local_search
 
 TOL = 1e-6
 FAST = ["approx", "auto"]
@@ -120,7 +122,6 @@ def test_trws_bound_is_valid_at_every_iteration(iterations: int) -> None:
 
 
 def _stall_point(bounds: list[float], energies: list[float], patience: int = 10) -> int | None:
-    from torchtitan_autoparallel.planner.solve.approx.trws import _stalled
 
     history: list[tuple[float, float]] = []
     for i, (b, e) in enumerate(zip(bounds, energies)):
@@ -257,7 +258,6 @@ def test_star_moves_skip_only_centres_whose_answer_cannot_have_changed(monkeypat
     """Skipping settled star centres gives the very plans a search that re-examines
     every centre in every round gives (a reach of one edge instead of two fails this),
     and it does skip: fewer block moves are tried."""
-    from torchtitan_autoparallel.planner.solve import local_search
 
     rng = np.random.default_rng(0)
     cases = []
@@ -300,7 +300,6 @@ def test_tree_blocks_are_trees_solved_exactly(depth: int) -> None:
     energy + lam * memory, with the gain and growth that relabeling really has."""
     from itertools import product
 
-    from torchtitan_autoparallel.planner.solve import local_search
 
     rng = np.random.default_rng(depth)
     for seed in range(12):
@@ -472,7 +471,9 @@ def test_registry_and_config_name_the_solvers() -> None:
         load_config(["--autoparallel.solver", "trws"])
     message = str(info.value)
     assert "\n" not in message
-    assert "autoparallel.solver = 'trws' is not accepted; accepted: ilp, lp, approx, auto" in message
+    assert "autoparallel.solver = 'trws' is not accepted; accepted: ilp, approx, auto" in message
+    with pytest.raises(ConfigError, match="'lp' is not accepted"):  # the LP is a bound, not a solver
+        load_config(["--autoparallel.solver", "lp"])
 
 
 def test_cache_key_covers_the_optimality_check() -> None:

@@ -168,7 +168,7 @@ Measured execution with the executor's overlap on and off (4 CPU ranks):
 `measured.md` beside this file."""
 
 
-SOLVER_ORDER = ("ilp", "lp", "approx", "auto")
+SOLVER_ORDER = ("ilp", "approx", "auto")
 
 
 def _key(result: dict) -> tuple[str, str]:

@@ -177,10 +177,8 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "On 1-D meshes the planner's loops run as Python (`planner/jit.py`); on 2-D and 3-D meshes",
         "they run compiled, loaded from numba's cache (`build` includes about 0.3 s of that start-up).",
         "",
-        "The exact presolve (`solve/presolve/reduce.py`'s `Graph`: Python over compiled inner loops) takes",
-        "13-42 ms of these plans on the 2-D meshes (`experiments/solver_bench`): a plan's time is",
-        "tracing, building and the ILP, so compiling the presolve's whole reduction would not show here;",
-        "the 1-D rows plan in seconds without compiling anything, on a machine's first run too.",
+        "Every row plans with `solver = \"ilp\"` (HiGHS after the exact presolve of `planner/solve/presolve/`);",
+        "`solve s` includes that presolve.",
         "",
     ]
     chosen = growth_table(results) + ["", "## What the planner chose, and why", "", NOTES, ""]

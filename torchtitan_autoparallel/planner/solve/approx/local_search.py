@@ -145,12 +145,6 @@ def stars(state: LocalState, lam: float = 0.0, depth: int = 1, centres=None) -> 
     )
 
 
-def _tree_move(state: LocalState, root: int, depth: int, lam: float) -> bool:
-    """Relabel a tree block around ``root`` optimally (everything else fixed), if that
-    lowers the energy and the plan still fits."""
-    return _tree_step(state._m, root, depth, lam, GAIN_RTOL)
-
-
 # --- compiled moves ------------------------------------------------------------------
 
 

@@ -41,12 +41,6 @@ class Collapsed:
     reps: np.ndarray  # each group's first node in ``source``
     group_of: np.ndarray  # each node of ``source``'s group
 
-    def node_name(self, group: int) -> str:
-        return self.source.node_names[int(self.reps[group])]
-
-    def labels(self, group: int) -> list[str]:
-        return self.source.strategy_labels[int(self.reps[group])]
-
     def problem(self) -> Problem:
         flat, reps = self.flat, self.reps.tolist()
         return Problem.from_arrays(
