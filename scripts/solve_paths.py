@@ -3,7 +3,10 @@
     python scripts/solve_paths.py FILE...     # rewrites in place
 
 Dotted module paths (``planner.solvers.X``) and file paths (``solvers/X.py``) both;
-longest names first so ``overlap_presolve`` is not read as ``overlap``.
+longest names first so ``overlap_presolve`` is not read as ``overlap``. Not rewritten
+(by hand): several names imported from the package in one statement, the compiled
+loops of the local search and MRF (``tree_block``, ``neighbour_costs``, ``picked_sum``:
+``solve.approx.kernels``), and the deleted ``LPSolver`` / ``get_solver("lp")``.
 """
 
 import re
@@ -44,6 +47,16 @@ def rewrite(text: str) -> str:
     text = text.replace("planner.solvers.ilp import SolverTimeout", "planner.solve.base import SolverTimeout")
     # the overlap solver by name is composed where every other solver is
     text = text.replace("planner.solvers.overlap import overlap_solver", "planner.solve.registry import overlap_solver")
+    # helpers that moved down so that presolve/ imports nothing above it
+    for name, home in (("tie_components", "presolve.collapse"), ("group_components", "presolve.collapse"),
+                       ("memory_message", "base")):
+        text = text.replace(f"planner.solvers.ilp_model import {name}\n", f"planner.solve.{home} import {name}\n")
+    # a module imported as a name of the package: the package is now solve, the module one level down
+    for name, package in (("kernels", "presolve"), ("collapse", "presolve"), ("reduce", "presolve"),
+                          ("local_search", "approx"), ("mrf", "approx"), ("trws", "approx")):
+        text = text.replace(f"planner.solvers import {name}\n", f"planner.solve.{package} import {name}\n")
+    # the presolve function (``solve.presolve`` is now its package)
+    text = text.replace("planner.solvers import presolve\n", "planner.solve.presolve.pipeline import presolve\n")
     text = DOTTED.sub(lambda m: "planner.solve." + MODULES[m.group(1)], text)
     text = FILES.sub(lambda m: "solve/" + MODULES[m.group(1)].replace(".", "/") + ".py", text)
     text = re.sub(r"planner\.solvers\b", "planner.solve", text)

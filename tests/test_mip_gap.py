@@ -22,10 +22,10 @@ from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.solve import CbcILPSolver, HighsILPSolver, get_solver, overlap_solver
 from torchtitan_autoparallel.planner.solve import registry as auto
 from torchtitan_autoparallel.planner.solve.exact import ilp
-from torchtitan_autoparallel.planner.solve.overlap import solver as overlap
 from torchtitan_autoparallel.planner.solve.exact.cbc import _cbc_args
-from torchtitan_autoparallel.planner.solve.exact.model import build_ilp
 from torchtitan_autoparallel.planner.solve.exact.lp_bound import solve_lp
+from torchtitan_autoparallel.planner.solve.exact.model import build_ilp
+from torchtitan_autoparallel.planner.solve.overlap import solver as overlap
 
 TOL = 1e-6
 LOGGER = "torchtitan_autoparallel.planner"

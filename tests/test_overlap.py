@@ -9,13 +9,13 @@ import pytest
 
 from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.solve import get_solver, overlap_solver
-from torchtitan_autoparallel.planner.solve.overlap.solver import overlap_breakdown, overlap_savings
-from torchtitan_autoparallel.planner.solve.overlap.model import OverlapSpec
-from torchtitan_autoparallel.planner.solve.overlap.presolve import overlap_presolve
-from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 from torchtitan_autoparallel.planner.solve.exact.ilp import HighsILPSolver
+from torchtitan_autoparallel.planner.solve.overlap.model import OverlapSpec
 from torchtitan_autoparallel.planner.solve.overlap.model import build_overlap_ilp
+from torchtitan_autoparallel.planner.solve.overlap.presolve import overlap_presolve
+from torchtitan_autoparallel.planner.solve.overlap.solver import overlap_breakdown, overlap_savings
 from torchtitan_autoparallel.planner.solve.overlap.solver import OVERLAP_MIP_GAP
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 
 TOL = 1e-6
 

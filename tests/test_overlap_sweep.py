@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from test_overlap import _brute_force, _layered_problem, _random_problem
 
+from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.solve import get_solver
-from torchtitan_autoparallel.planner.solve.overlap.solver import OverlapSolver, overlap_objective
-from torchtitan_autoparallel.planner.solve.registry import AutoSolver, overlap_solver
 from torchtitan_autoparallel.planner.solve.overlap.lagrange import (
     SweepOverlapSolver,
     reweighted,
@@ -19,9 +18,10 @@ from torchtitan_autoparallel.planner.solve.overlap.lagrange import (
     sweep,
 )
 from torchtitan_autoparallel.planner.solve.overlap.model import OverlapSpec
+from torchtitan_autoparallel.planner.solve.overlap.solver import OverlapSolver, overlap_objective
 from torchtitan_autoparallel.planner.solve.overlap.terms import overlappable
-from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
+from torchtitan_autoparallel.planner.solve.registry import AutoSolver, overlap_solver
 
 TOL = 1e-6
 

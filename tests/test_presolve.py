@@ -15,10 +15,8 @@ from torchtitan_autoparallel.planner.solve import (
     PresolvingSolver,
     get_solver,
 )
-from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 from torchtitan_autoparallel.planner.solve.presolve import reduce
 from torchtitan_autoparallel.planner.solve.presolve.collapse import collapse_ties
-from torchtitan_autoparallel.planner.solve.presolve.reduce import beaten, swap_difference
 from torchtitan_autoparallel.planner.solve.presolve.kernels import (
     dominated,
     first_argmin_plus,
@@ -26,6 +24,8 @@ from torchtitan_autoparallel.planner.solve.presolve.kernels import (
     scan,
     separable,
 )
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
+from torchtitan_autoparallel.planner.solve.presolve.reduce import beaten, swap_difference
 
 
 def make_problem(

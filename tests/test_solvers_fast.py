@@ -26,16 +26,16 @@ from torchtitan_autoparallel.planner.solve import (
     get_solver,
 )
 from torchtitan_autoparallel.planner.solve import registry as auto_module
-from torchtitan_autoparallel.planner.solve.approx.solver import search
-from torchtitan_autoparallel.planner.solve.exact.ilp import _Run
+from torchtitan_autoparallel.planner.solve.approx import local_search
 from torchtitan_autoparallel.planner.solve.approx.local_search import LocalState, polish
+from torchtitan_autoparallel.planner.solve.approx.mrf import build_mrf
+from torchtitan_autoparallel.planner.solve.approx.solver import search
+from torchtitan_autoparallel.planner.solve.approx.trws import Trws
+from torchtitan_autoparallel.planner.solve.approx.trws import _stalled
+from torchtitan_autoparallel.planner.solve.exact.ilp import _Run
 from torchtitan_autoparallel.planner.solve.exact.lp_bound import lp_bound, solve_lp
 from torchtitan_autoparallel.planner.solve.exact.rounding import round_and_polish
 from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
-from torchtitan_autoparallel.planner.solve.approx.mrf import build_mrf
-from torchtitan_autoparallel.planner.solve.approx.trws import Trws
-from torchtitan_autoparallel.planner.solve.approx.trws import _stalled
-from torchtitan_autoparallel.planner.solve.approx import local_search
 
 TOL = 1e-6
 FAST = ["approx", "auto"]

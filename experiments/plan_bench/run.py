@@ -180,6 +180,10 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "Every row plans with `solver = \"ilp\"` (HiGHS after the exact presolve of `planner/solve/presolve/`);",
         "`solve s` includes that presolve.",
         "",
+        "`before_after.md`: the rows run in turn on the code before the solvers were regrouped into",
+        "`planner/solve/` (commit 1764c0f) and after; every objective is the same to the bit (`compare.py`",
+        "says how they were run), and the default job's planning time with an empty numba cache.",
+        "",
     ]
     chosen = growth_table(results) + ["", "## What the planner chose, and why", "", NOTES, ""]
     for r in results:

@@ -27,8 +27,8 @@ from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.profiles import HardwareProfile
 from torchtitan_autoparallel.planner.repeats import repeated_layer_ties
 from torchtitan_autoparallel.planner.solve import get_solver
-from torchtitan_autoparallel.planner.solve.registry import choose, overlap_solver
 from torchtitan_autoparallel.planner.solve.base import Solution
+from torchtitan_autoparallel.planner.solve.registry import choose, overlap_solver
 from torchtitan_autoparallel.planner.strategy import enumerate_strategies
 from torchtitan_autoparallel.planner.trace import BatchSpec, LossFn, TracedStep, trace_training_step
 from torchtitan_autoparallel.train.loss import cross_entropy_loss

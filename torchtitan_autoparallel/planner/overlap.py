@@ -24,8 +24,8 @@ from torch import fx
 from torchtitan_autoparallel.planner.build import GRAD_EDGE, BuiltProblem
 from torchtitan_autoparallel.planner.plan import Plan, _gradient_tail
 from torchtitan_autoparallel.planner.rules import VIEW_OPS
-from torchtitan_autoparallel.planner.solve.overlap.solver import overlap_breakdown
 from torchtitan_autoparallel.planner.solve.overlap.model import OverlapSpec
+from torchtitan_autoparallel.planner.solve.overlap.solver import overlap_breakdown
 from torchtitan_autoparallel.planner.trace import TracedStep
 
 log = logging.getLogger("torchtitan_autoparallel.planner")

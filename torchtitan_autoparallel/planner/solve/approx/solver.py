@@ -38,12 +38,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem import FlatProblem, InfeasibleProblem, Problem
-from torchtitan_autoparallel.planner.solve.base import Solution, Solver, SolverTimeout
-from torchtitan_autoparallel.planner.solve.presolve.collapse import collapse
 from torchtitan_autoparallel.planner.solve.approx.local_search import polish
 from torchtitan_autoparallel.planner.solve.approx.mrf import Mrf, NoLabels, build_mrf
-from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 from torchtitan_autoparallel.planner.solve.approx.trws import GAP_RTOL, OPTIMAL_RTOL, Trws, within_gap
+from torchtitan_autoparallel.planner.solve.base import Solution, Solver, SolverTimeout
+from torchtitan_autoparallel.planner.solve.presolve.collapse import collapse
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 LAMBDA_STEPS = 12  # bisection steps on the memory price

@@ -23,11 +23,10 @@ import numpy as np
 
 from torchtitan_autoparallel.planner.problem import Problem
 from torchtitan_autoparallel.planner.solve.base import Solution, Solver
-from torchtitan_autoparallel.planner.solve.exact.ilp import INTEGRALITY_TOL, HighsILPSolver
+from torchtitan_autoparallel.planner.solve.exact.ilp import INTEGRALITY_TOL, OPTIMAL_RTOL, HighsILPSolver
 from torchtitan_autoparallel.planner.solve.exact.model import build_ilp
-from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 from torchtitan_autoparallel.planner.solve.exact.rounding import marginals
-from torchtitan_autoparallel.planner.solve.approx.trws import OPTIMAL_RTOL
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 MIN_SLICE_S = 1.0  # the least time a follow-up step (fallback, certificate) is given

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem import Problem
-from torchtitan_autoparallel.planner.solve.presolve.collapse import collapse_ties
-from torchtitan_autoparallel.planner.solve.exact.model import IlpModel
 from torchtitan_autoparallel.planner.solve.approx.local_search import polish
 from torchtitan_autoparallel.planner.solve.approx.mrf import NoLabels, build_mrf
+from torchtitan_autoparallel.planner.solve.exact.model import IlpModel
+from torchtitan_autoparallel.planner.solve.presolve.collapse import collapse_ties
 
 
 def marginals(problem: Problem, model: IlpModel, x_values: np.ndarray) -> np.ndarray:

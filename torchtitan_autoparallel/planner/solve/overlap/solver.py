@@ -41,13 +41,13 @@ from torchtitan_autoparallel.planner.solve.exact.ilp import (
     _Run,
 )
 from torchtitan_autoparallel.planner.solve.exact.model import build_ilp
+from torchtitan_autoparallel.planner.solve.overlap.lagrange import Sweep, sweep
 from torchtitan_autoparallel.planner.solve.overlap.model import (
     OverlapIlpModel,
     OverlapSpec,
     add_overlap,
     build_overlap_ilp,
 )
-from torchtitan_autoparallel.planner.solve.overlap.lagrange import Sweep, sweep
 from torchtitan_autoparallel.planner.solve.overlap.presolve import overlap_presolve
 from torchtitan_autoparallel.planner.solve.overlap.terms import empty_model, fixed_terms
 from torchtitan_autoparallel.planner.solve.presolve.pipeline import ENERGY_RTOL

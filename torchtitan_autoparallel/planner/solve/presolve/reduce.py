@@ -31,8 +31,8 @@ from typing import NoReturn
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
-from torchtitan_autoparallel.planner.solve.presolve import kernels
 from torchtitan_autoparallel.planner.solve.base import memory_message
+from torchtitan_autoparallel.planner.solve.presolve import kernels
 
 BUDGET_RTOL = 1e-6  # the slack Problem.is_feasible grants the budget
 SEPARABLE_RTOL = 1e-12  # a table this close to a + b is folded (rounding only)
