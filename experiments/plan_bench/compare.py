@@ -27,7 +27,7 @@ def main(before_path: str, after_path: str) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for case, new in after.items():
         old = before.get(case)
-        if old is None:
+        if old is None or old == new:  # a row neither run rewrote: not measured in turn
             continue
         same = "yes" if old["objective_us"] == new["objective_us"] else f"no ({old['objective_us']:.1f})"
         t_old, t_new = old["timings"]["total"], new["timings"]["total"]

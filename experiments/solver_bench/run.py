@@ -123,7 +123,8 @@ print("RESULT " + json.dumps({k: t.get(k) for k in ("trace", "strategies", "buil
 _SOLVE = r"""
 import gc, json, math, sys, time
 from torchtitan_autoparallel.planner.problem import InfeasibleProblem, Problem
-import numpy as np
+sys.path.insert(0, sys.argv[2])  # this folder, for load_kernels
+from load_kernels import load_all
 from torchtitan_autoparallel.planner.solve import get_solver
 from torchtitan_autoparallel.planner.solve.exact.lp_bound import lp_bound
 from torchtitan_autoparallel.planner.solve.registry import pairwise_entries
@@ -137,16 +138,7 @@ solver = None if spec == "lp-bound" else get_solver(name, backend or "highs", op
 # once per process, timed apart: loading the compiled kernels, and importing HiGHS
 # (the solvers import it on first use, which would charge it to the HiGHS cells)
 loaded = time.perf_counter()
-# the compiled loops load from numba's cache (compile, the first time) on first use:
-# one tiny solve with ties, a pin and a binding budget calls them all
-rng = np.random.default_rng(0)
-k, pairs = [3, 2, 3, 2, 3], [(0, 1), (1, 2), (2, 3), (3, 4), (0, 2), (1, 3)]
-get_solver("approx").solve(Problem(
-    node_names=[f"n{v}" for v in range(5)], strategy_labels=[[str(s) for s in range(n)] for n in k],
-    unary=[rng.uniform(0, 10, n) for n in k], edges=np.array(pairs),
-    pairwise=[rng.uniform(0, 10, (k[a], k[b])) for a, b in pairs],
-    memory=[np.array([3.0, 2.0, 1.0]), None, np.array([3.0, 2.0, 1.0]), None, None],
-    memory_budget=4.0, pins={4: 1}, ties=[[0, 2]]))
+load_all()
 kernel_load_s = time.perf_counter() - loaded
 loaded = time.perf_counter()
 import highspy  # noqa: E402,F401
@@ -185,7 +177,7 @@ def _child(script: str, spec: dict, timeout: float) -> dict:
     # Its own session, so a timeout also kills what it started (CBC runs as a separate binary;
     # the solver now stops it past its limit, this is the safety net).
     proc = subprocess.Popen(
-        [sys.executable, "-c", script, json.dumps(spec)],
+        [sys.executable, "-c", script, json.dumps(spec), str(HERE)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
