@@ -211,7 +211,7 @@ def test_the_plan_cache_key_covers_the_gap(fake_world) -> None:
 
 @pytest.mark.parametrize(
     "solver,overlap_on,warned",
-    [("approx", "false", True), ("approx", "true", False), ("ilp", "false", False), ("auto", "false", False)],
+    [("approx", "false", True), ("approx", "true", True), ("ilp", "false", False), ("auto", "false", False)],
 )
 def test_a_gap_for_a_solver_without_a_mip_is_flagged(solver, overlap_on, warned, capsys) -> None:
     from torchtitan_autoparallel.train import preflight
