@@ -1,4 +1,4 @@
-"""Exact solvers: the local-polytope ILP of ``ilp_model`` solved by HiGHS or CBC.
+"""Exact solvers: the local-polytope ILP of ``exact.model`` solved by HiGHS or CBC.
 
 Both backends share the model, the result checks and the infeasibility
 diagnosis (``_IlpSolver``); they differ only in how the arrays reach the
@@ -246,7 +246,7 @@ class HighsILPSolver(_IlpSolver):
         self.name = name
         self.threads = threads
         self.mip_gap = mip_gap
-        # off when the model comes out of solvers.presolve: HiGHS' presolve then
+        # off when the model comes out of the exact presolve: HiGHS' presolve then
         # finds little and can cost more than the solve itself
         self.highs_presolve = highs_presolve
 

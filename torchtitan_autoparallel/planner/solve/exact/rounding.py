@@ -1,7 +1,7 @@
 """From an LP optimum to a plan: per-node marginals, rounded and then polished.
 
-Shared by the ``lp`` solver (its plan when the LP is fractional) and the exact
-solver (an incumbent for reduced-cost fixing, ``fixing``).
+The exact solver's incumbent for reduced-cost fixing (``fixing``) when the LP
+is fractional.
 """
 
 from __future__ import annotations

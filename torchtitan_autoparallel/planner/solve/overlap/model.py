@@ -16,10 +16,10 @@ it runs while compute proceeds; the model credits that with a continuous saving
 * backward chain (gradient reductions): the same in reverse order, anchored at
   each edge's producer: a reduction hides behind compute that follows it.
 
-Compute and communication come in as ``OverlapTerms`` (``overlap_terms``):
+Compute and communication come in as ``OverlapTerms`` (``overlap.terms``):
 linear expressions over the base ILP's columns, so the same model is built on
 the full problem, on one fixed plan (all constants) or on the presolved
-problem (``overlap_presolve``), where one expression can stand for many tied
+problem (``overlap.presolve``), where one expression can stand for many tied
 edges and shares a capped column.
 
 The objective gains ``- sum s_e``. Every new column is scaled into [0, 1] (by

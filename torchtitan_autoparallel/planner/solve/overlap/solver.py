@@ -5,7 +5,7 @@ communication the plan can hide behind compute (itself a small LP once ``x``
 is fixed; ``overlap_savings``). Solutions report that objective, recomputed
 from the tables for the plan the solver returns.
 
-By default the model is built on the problem after ``overlap_presolve``: the
+By default the model is built on the problem after ``overlap.presolve``: the
 exact presolve, restricted to the reductions that keep every node's compute
 and every overlappable edge's cost priced at its own step position (ties
 collapse, nodes whose choice moves only the energy are eliminated). The plan
@@ -15,7 +15,7 @@ problem (the reference the tests compare against).
 
 The approximate solver (TRW-S) works on pairwise energies only and cannot
 express the budget chains; with overlap on it runs inside the theta sweep of
-``overlap_lagrange`` (plain solves on reweighted tables, each plan scored on
+``overlap.lagrange`` (plain solves on reweighted tables, each plan scored on
 the exact objective, with a bound). The exact path runs the same sweep first:
 its best plan warm-starts the MIP, and its bound stands where the MIP proves
 less (a model too large for its root LP in time).
@@ -170,7 +170,7 @@ class OverlapSolver:
         return _with_sweep(self._finish(problem, inst, x, run, start), found, start)
 
     def _sweep(self, problem: Problem, time_limit: float | None) -> Sweep | None:
-        """The theta sweep (``overlap_lagrange``): a plan and a bound. Its plain solves go to
+        """The theta sweep (``overlap.lagrange``): a plan and a bound. Its plain solves go to
         ``auto``: reweighting makes the ILP's LP fractional, and on 3-D meshes one exact
         solve of a reweighted problem can take minutes where TRW-S takes seconds."""
         share = None if time_limit is None else SWEEP_SHARE * time_limit

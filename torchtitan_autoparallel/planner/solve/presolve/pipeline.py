@@ -105,7 +105,7 @@ def presolve(
     """Reduce ``problem`` exactly. ``prune_memory=False`` keeps strategies that only
     the memory budget rules out, so a solver can still name the smallest budget.
     ``make_graph`` swaps in a ``Graph`` that protects more than the energy
-    (``overlap_presolve``)."""
+    (``overlap.presolve``)."""
     start = time.perf_counter()
     collapsed = collapse(problem)
     tie_free = collapsed.problem()

@@ -159,7 +159,7 @@ class Graph:
             return False
         return True
 
-    # --- hooks: what else a node's choice prices (``overlap_presolve``) -------
+    # --- hooks: what else a node's choice prices (``overlap.presolve``) -------
 
     def _energy_only(self, v: int) -> bool:
         """Whether ``v``'s choice matters to nothing but the energy (and memory), so that
