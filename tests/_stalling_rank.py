@@ -14,9 +14,9 @@ import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from torchtitan_autoparallel.planner.plan import agree
 from torchtitan_autoparallel.launch import main as train_main
 from torchtitan_autoparallel.mesh.runtime import exit_process
+from torchtitan_autoparallel.planner.plan import agree
 from torchtitan_autoparallel.train.auto import AutoTraining
 
 

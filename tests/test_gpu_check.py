@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from _run import REPO
 
 spec = importlib.util.spec_from_file_location("gpu_training", REPO / "experiments" / "gpu" / "training.py")

@@ -13,7 +13,6 @@ import json
 import math
 
 import pytest
-
 from _run import FEW_LAYERS, RunCache, check_records, run_launcher
 
 pytestmark = [pytest.mark.multirank, pytest.mark.smoke]

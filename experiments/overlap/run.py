@@ -125,8 +125,8 @@ def changes(result: dict) -> tuple[list[str], list[str]]:
 NOTES = """\
 What the rows say. `bound` is the proven lower bound on the effective step
 time; `ilp` rows solve the overlap MIP on the overlap-exact presolved problem
-(`planner/solvers/overlap_presolve.py`), warm-started by the theta sweep;
-`approx` rows are the sweep alone (`planner/solvers/overlap_lagrange.py`:
+(`planner/solve/overlap/presolve.py`), warm-started by the theta sweep;
+`approx` rows are the sweep alone (`planner/solve/overlap/lagrange.py`:
 seven TRW-S solves of the plain problem with compute scaled by 1 - theta and
 overlappable communication by theta; each plan scored exactly; the bound is
 the best theta's, valid because no plan saves more than min(compute,
@@ -167,7 +167,7 @@ Measured execution with the executor's overlap on and off (4 CPU ranks):
 `measured.md` beside this file."""
 
 
-SOLVER_ORDER = ("ilp", "lp", "approx", "auto")
+SOLVER_ORDER = ("ilp", "approx", "auto")
 
 
 def _key(result: dict) -> tuple[str, str]:

@@ -176,10 +176,12 @@ def write_markdown(results: list[dict], path: Path) -> None:
         "On 1-D meshes the planner's loops run as Python (`jit.py`); on 2-D and 3-D meshes",
         "they run compiled, loaded from numba's cache (`build` includes about 0.3 s of that start-up).",
         "",
-        "The exact presolve (`solvers/reduce.py`'s `Graph`: Python over compiled inner loops) takes",
-        "13-42 ms of these plans on the 2-D meshes (`experiments/solver_bench`): a plan's time is",
-        "tracing, building and the ILP, so compiling the presolve's whole reduction would not show here;",
-        "the 1-D rows plan in seconds without compiling anything, on a machine's first run too.",
+        "Every row plans with `solver = \"ilp\"` (HiGHS after the exact presolve of `planner/solve/presolve/`);",
+        "`solve s` includes that presolve.",
+        "",
+        "`before_after.md`: the rows run in turn on the code before the solvers were regrouped into",
+        "`planner/solve/` (commit 1764c0f) and after; every objective is the same to the bit (`compare.py`",
+        "says how they were run), and the default job's planning time with an empty numba cache.",
         "",
     ]
     chosen = growth_table(results) + ["", "## What the planner chose, and why", "", NOTES, ""]

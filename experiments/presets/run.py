@@ -35,7 +35,6 @@ from bench_args import add_case_args, kept_notes, pick_cases, previous_rows, rew
 from torchtitan_autoparallel.report.common import GIB  # noqa: E402
 
 
-
 @dataclass(frozen=True)
 class Case:
     name: str  # the row; train_configs/<name>.toml unless ``job_file`` says otherwise

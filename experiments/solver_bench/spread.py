@@ -84,7 +84,7 @@ def collapsed_copy(path: Path) -> Path:
     out = path.with_name(path.stem + "-collapsed.npz")
     if not out.exists() or out.stat().st_mtime < path.stat().st_mtime:
         from torchtitan_autoparallel.planner.problem.problem import Problem
-        from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
+        from torchtitan_autoparallel.planner.solve.presolve.collapse import collapse_ties
 
         collapse_ties(Problem.load(path))[0].save(out)
     return out

@@ -32,13 +32,12 @@ sys.path.insert(0, str(HERE))
 
 from run import LOOSE, case_name, pick  # noqa: E402  (this folder's benchmark)
 
-from torchtitan_autoparallel.planner import warm_up  # noqa: E402
 from torchtitan_autoparallel.planner.problem.problem import Problem  # noqa: E402
-from torchtitan_autoparallel.planner.solvers import presolve  # noqa: E402
-from torchtitan_autoparallel.planner.solvers.approx import search  # noqa: E402
-from torchtitan_autoparallel.planner.solvers.collapse import collapse  # noqa: E402
-from torchtitan_autoparallel.planner.solvers.mrf import build_mrf  # noqa: E402
-from torchtitan_autoparallel.planner.solvers.trws import GAP_RTOL  # noqa: E402
+from torchtitan_autoparallel.planner.solve.approx.mrf import build_mrf  # noqa: E402
+from torchtitan_autoparallel.planner.solve.approx.solver import search  # noqa: E402
+from torchtitan_autoparallel.planner.solve.approx.trws import GAP_RTOL  # noqa: E402
+from torchtitan_autoparallel.planner.solve.presolve.collapse import collapse  # noqa: E402
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve  # noqa: E402
 
 STAGES = ("collapse", "reduce", "mrf", "search", "score")
 SHARED = ("collapse", "reduce", "score")  # what the ILP solvers run too, around their solve
@@ -123,7 +122,6 @@ def main() -> int:
     if bench.exists():
         highs = {r["case"]: r.get("solvers", {}).get("ilp-highs", {}).get("seconds")
                  for r in json.loads(bench.read_text())}
-    warm_up.compile_all()
     rows = []
     for model, mesh, budget in cases:
         name = case_name(model, mesh, budget)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _run import FEW_LAYERS, LLAMA3_CONFIG, RUNS, RunCache
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from _run import FEW_LAYERS, LLAMA3_CONFIG, RUNS, RunCache
 from torchtitan_autoparallel.config import load_config
 from torchtitan_autoparallel.execute.backend import BackendGraph
 

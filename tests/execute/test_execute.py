@@ -24,11 +24,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from torchtitan_autoparallel.execute import kernels
-from torchtitan_autoparallel.planner.plan.agree import Fingerprint, first_difference
 from torchtitan_autoparallel.execute.audit import executed_collectives, expected_collectives
 from torchtitan_autoparallel.execute.layout import match_layout, physical_order
 from torchtitan_autoparallel.execute.parity import ParityConfig, parse_mesh, reference_losses
 from torchtitan_autoparallel.execute.redistribute import redistribute_to
+from torchtitan_autoparallel.planner.plan.agree import Fingerprint, first_difference
 from torchtitan_autoparallel.planner.plan.plan import Collective, Plan
 
 REL_TOL = 1e-4
@@ -238,7 +238,7 @@ def test_parameters_are_placed_as_planned_and_bound_to_a_model(mesh2):
     from torchtitan_autoparallel.planner.plan.api import ExecutablePlan
     from torchtitan_autoparallel.planner.plan.plan import plan_from_solution
     from torchtitan_autoparallel.planner.problem.build import build_problem
-    from torchtitan_autoparallel.planner.solvers import get_solver
+    from torchtitan_autoparallel.planner.solve import get_solver
     from torchtitan_autoparallel.planner.strategies.placement import placement_str
     from torchtitan_autoparallel.planner.strategies.strategy import enumerate_strategies
     from torchtitan_autoparallel.planner.trace.trace import trace_training_step

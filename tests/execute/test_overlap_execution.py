@@ -15,10 +15,10 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from _graphs import live_graph, node_signatures
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from _graphs import live_graph, node_signatures
 from torchtitan_autoparallel.execute.compiled import graph_collectives
 from torchtitan_autoparallel.execute.overlap import is_collective, is_wait, schedule_overlap
 

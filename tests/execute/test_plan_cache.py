@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from torchtitan_autoparallel.planner.plan import cache
-from torchtitan_autoparallel.planner.plan.cache import cache_key, cached_solve_hook, plan_settings
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.cost.profiles import load_profile
+from torchtitan_autoparallel.planner.plan import cache
 from torchtitan_autoparallel.planner.plan.api import plan_stages
+from torchtitan_autoparallel.planner.plan.cache import cache_key, cached_solve_hook, plan_settings
 from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.problem.build import BuiltProblem
-from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solve.base import Solution
 
 OPTIONS = PlannerOptions(global_batch_size=4, seq_len=32, profile=load_profile("h100"), time_limit_s=60)
 

@@ -22,7 +22,7 @@ def test_launcher_help_lists_every_key_and_the_jobs_values(tmp_path) -> None:
             assert f"  --{section.name}.{f.name} " in out, f"{section.name}.{f.name} missing"
     assert "  --training.steps int (default 10), this job: 7\n" in out  # the command line over the file
     assert "  --training.local_batch_size int (default 8), this job: 4\n" in out  # the file's value
-    assert "  --autoparallel.solver str (default 'ilp')\n      accepted: ilp, lp, approx, auto\n" in out
+    assert "  --autoparallel.solver str (default 'ilp')\n      accepted: ilp, approx, auto\n" in out
     assert "accepted: llama3, qwen3, llama3_auto_parallel, qwen3_auto_parallel" in out
     assert "error" not in run.stderr.lower()
 

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers import (
+from torchtitan_autoparallel.planner.solve import (
     BruteForceSolver,
     CertifyingSolver,
     HighsILPSolver,
     Solution,
     get_solver,
 )
-from torchtitan_autoparallel.planner.solvers.fixing import Relaxation, fixed_columns
-from torchtitan_autoparallel.planner.solvers.ilp_model import build_ilp
+from torchtitan_autoparallel.planner.solve.exact.fixing import Relaxation, fixed_columns
+from torchtitan_autoparallel.planner.solve.exact.model import build_ilp
 
 
 def frustrated_problem(seed: int, n: int = 5, k: int = 3, budget: bool = False) -> Problem:

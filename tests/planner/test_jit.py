@@ -23,17 +23,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel import jit
+from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.cost import pricer
-from torchtitan_autoparallel.planner.problem import sums
+from torchtitan_autoparallel.planner.cost.profiles import load_profile
 from torchtitan_autoparallel.planner.plan.api import plan_stages
 from torchtitan_autoparallel.planner.plan.options import PlannerOptions
-from torchtitan_autoparallel.planner.cost.profiles import load_profile
-from torchtitan_autoparallel.planner.solvers import kernels, local_search, mrf, trws
+from torchtitan_autoparallel.planner.problem import sums
+from torchtitan_autoparallel.planner.solve.approx import kernels as approx_kernels
+from torchtitan_autoparallel.planner.solve.approx import local_search, mrf, trws
+from torchtitan_autoparallel.planner.solve.presolve import kernels
 
 def compiled_versions():
-    return sum(len(f.signatures) for m in (pricer, sums, kernels, local_search, mrf, trws)
+    return sum(len(f.signatures) for m in (pricer, sums, kernels, approx_kernels, local_search, mrf, trws)
                for f in vars(m).values() if isinstance(f, jit.Loop))
 
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)

@@ -19,18 +19,13 @@ from test_solvers_fast import assert_scored
 from torchtitan_autoparallel.config import load_config
 from torchtitan_autoparallel.errors import ConfigError
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers import (
-    CbcILPSolver,
-    HighsILPSolver,
-    auto,
-    get_solver,
-    ilp,
-    overlap,
-)
-from torchtitan_autoparallel.planner.solvers.cbc import _cbc_args
-from torchtitan_autoparallel.planner.solvers.ilp_model import build_ilp
-from torchtitan_autoparallel.planner.solvers.lp import solve_lp
-from torchtitan_autoparallel.planner.solvers.overlap import OverlapSolver
+from torchtitan_autoparallel.planner.solve import CbcILPSolver, HighsILPSolver, get_solver, overlap_solver
+from torchtitan_autoparallel.planner.solve import registry as auto
+from torchtitan_autoparallel.planner.solve.exact import ilp
+from torchtitan_autoparallel.planner.solve.exact.cbc import _cbc_args
+from torchtitan_autoparallel.planner.solve.exact.lp_bound import solve_lp
+from torchtitan_autoparallel.planner.solve.exact.model import build_ilp
+from torchtitan_autoparallel.planner.solve.overlap import solver as overlap
 
 TOL = 1e-6
 LOGGER = "torchtitan_autoparallel.planner"
@@ -163,7 +158,7 @@ def test_auto_keeps_an_exact_plan_within_its_gap_without_the_approximate_solver(
 @pytest.mark.parametrize("seed", range(4))
 def test_overlap_takes_the_sweeps_plan_within_the_gap(seed: int, monkeypatch, caplog) -> None:
     problem, spec = _layered_problem(np.random.default_rng(seed))
-    optimum = OverlapSolver(spec).solve(problem)
+    optimum = overlap_solver("ilp", "highs", spec).solve(problem)
     assert optimum.status == "optimal"
 
     def no_mip(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -171,7 +166,7 @@ def test_overlap_takes_the_sweeps_plan_within_the_gap(seed: int, monkeypatch, ca
 
     monkeypatch.setattr(overlap, "_instance", no_mip)
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        sol = OverlapSolver(spec, mip_gap=0.9).solve(problem)
+        sol = overlap_solver("ilp", "highs", spec, mip_gap=0.9).solve(problem)
     assert "no MIP needed" in caplog.text
     assert_within(sol, optimum.objective, 0.9)
 
@@ -190,7 +185,7 @@ def test_overlap_mip_takes_the_gap_it_is_given(monkeypatch) -> None:
     problem, spec = _layered_problem(np.random.default_rng(0))
     for gap, expected in ((None, overlap.OVERLAP_MIP_GAP), (0.0, 0.0)):
         seen.clear()
-        OverlapSolver(spec, mip_gap=gap).solve(problem)
+        overlap_solver("ilp", "highs", spec, mip_gap=gap).solve(problem)
         assert set(seen) <= {expected}
 
 
@@ -219,8 +214,7 @@ def test_the_plan_cache_key_covers_the_gap(fake_world) -> None:
 
 @pytest.mark.parametrize(
     "solver,overlap_on,warned",
-    [("approx", "false", True), ("lp", "false", True), ("lp", "true", False), ("ilp", "false", False),
-     ("auto", "false", False)],
+    [("approx", "false", True), ("approx", "true", True), ("ilp", "false", False), ("auto", "false", False)],
 )
 def test_a_gap_for_a_solver_without_a_mip_is_flagged(solver, overlap_on, warned, capsys) -> None:
     from torchtitan_autoparallel.launch import preflight

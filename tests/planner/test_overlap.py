@@ -8,13 +8,16 @@ import numpy as np
 import pytest
 
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers import get_solver
-from torchtitan_autoparallel.planner.solvers.overlap import (
-    OverlapSolver,
+from torchtitan_autoparallel.planner.solve import get_solver, overlap_solver
+from torchtitan_autoparallel.planner.solve.exact.ilp import HighsILPSolver
+from torchtitan_autoparallel.planner.solve.overlap.model import OverlapSpec, build_overlap_ilp
+from torchtitan_autoparallel.planner.solve.overlap.presolve import overlap_presolve
+from torchtitan_autoparallel.planner.solve.overlap.solver import (
+    OVERLAP_MIP_GAP,
     overlap_breakdown,
     overlap_savings,
 )
-from torchtitan_autoparallel.planner.solvers.overlap_model import OverlapSpec
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 
 TOL = 1e-6
 
@@ -66,11 +69,10 @@ def test_overlap_changes_the_hand_computed_optimum():
     # plain: gathering costs 10 > 6, so keep the weight whole: 6 + 20 + 1
     assert plain.assignment.tolist() == [1, 0, 0] and plain.objective == pytest.approx(27.0)
     spec = OverlapSpec(3, prefetch=[0], backward=[])
-    for relax in (False, True):
-        sol = OverlapSolver(spec, relax=relax).solve(problem)
-        # overlap: the 10 us gather hides behind a's 20 us: 0 + 20 + 1 + 10 - 10
-        assert sol.assignment.tolist() == [0, 0, 0]
-        assert sol.objective == pytest.approx(21.0) and sol.status == "optimal"
+    sol = overlap_solver("ilp", "highs", spec).solve(problem)
+    # overlap: the 10 us gather hides behind a's 20 us: 0 + 20 + 1 + 10 - 10
+    assert sol.assignment.tolist() == [0, 0, 0]
+    assert sol.objective == pytest.approx(21.0) and sol.status == "optimal"
 
 
 def test_savings_are_capped_by_the_compute_before_the_consumer():
@@ -78,7 +80,7 @@ def test_savings_are_capped_by_the_compute_before_the_consumer():
     spec = OverlapSpec(3, prefetch=[0], backward=[])
     assert overlap_savings(problem, spec, np.array([0, 0, 0])) == pytest.approx(3.0)
     # 0 + 3 + 1 + 10 - 3 = 11 > 6 + 3 + 1 = 10: overlap is modelled, but does not pay
-    sol = OverlapSolver(spec).solve(problem)
+    sol = overlap_solver("ilp", "highs", spec).solve(problem)
     assert sol.assignment.tolist() == [1, 0, 0] and sol.objective == pytest.approx(10.0)
 
 
@@ -93,7 +95,7 @@ def test_gradient_reductions_hide_only_behind_later_compute():
     )
     spec = OverlapSpec(4, prefetch=[], backward=[1])
     assert overlap_savings(problem, spec, np.zeros(4, np.int64)) == pytest.approx(4.0)
-    sol = OverlapSolver(spec).solve(problem)
+    sol = overlap_solver("ilp", "highs", spec).solve(problem)
     assert sol.objective == pytest.approx(problem.energy(np.zeros(4, np.int64)) - 4.0)
 
 
@@ -115,7 +117,7 @@ def test_the_same_compute_is_never_spent_twice():
 def test_random_graphs_match_brute_force_and_respect_every_cap(seed):
     rng = np.random.default_rng(seed)
     problem, spec = _random_problem(rng)
-    sol = OverlapSolver(spec).solve(problem)
+    sol = overlap_solver("ilp", "highs", spec).solve(problem)
     assert sol.objective == pytest.approx(_brute_force(problem, spec), abs=1e-6)
     plain = get_solver("ilp").solve(problem)
     assert sol.objective <= plain.objective + TOL
@@ -142,8 +144,7 @@ def test_without_overlappable_edges_the_objective_is_the_plain_one(seed):
     problem, _ = _random_problem(np.random.default_rng(100 + seed))
     empty = OverlapSpec(problem.num_nodes, [], [])
     plain = get_solver("ilp").solve(problem)
-    for relax in (False, True):
-        assert OverlapSolver(empty, relax=relax).solve(problem).objective == pytest.approx(plain.objective)
+    assert overlap_solver("ilp", "highs", empty).solve(problem).objective == pytest.approx(plain.objective)
 
 
 def test_memory_budget_and_ties_still_hold_with_overlap():
@@ -157,7 +158,7 @@ def test_memory_budget_and_ties_still_hold_with_overlap():
     problem.pairwise = [rng.uniform(0, 15, size=(len(problem.unary[u]), len(problem.unary[v])))
                         for u, v in problem.edges]
     problem.validate()
-    sol = OverlapSolver(spec).solve(problem)
+    sol = overlap_solver("ilp", "highs", spec).solve(problem)
     assert problem.is_feasible(sol.assignment)
     assert sol.objective == pytest.approx(_brute_force(problem, spec), abs=1e-6)
 
@@ -200,7 +201,7 @@ def test_the_config_flag_reaches_the_planner():
     assert auto.planner_options(job, runtime, (1, 1, 1)).cache_settings()["overlap"] is True
 
 
-# --- overlap on the presolved problem (solvers/overlap_presolve.py) -----------------------
+# --- overlap on the presolved problem (solve/overlap/presolve.py) -----------------------
 
 
 def _layered_problem(rng: np.random.Generator) -> tuple[Problem, OverlapSpec]:
@@ -271,13 +272,12 @@ def _assert_caps(problem: Problem, spec: OverlapSpec, x: np.ndarray) -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_presolved_overlap_matches_the_full_model_and_brute_force(seed):
-    from torchtitan_autoparallel.planner.solvers.overlap_presolve import overlap_presolve
 
     problem, spec = _layered_problem(np.random.default_rng(seed))
     pre = overlap_presolve(problem, spec)
     assert not set(pre.reduced.node_names) & {"w1", "head", "cast0", "const0"}  # ties, eliminations
-    with_pre = OverlapSolver(spec, presolve=True).solve(problem)
-    without = OverlapSolver(spec, presolve=False).solve(problem)
+    with_pre = overlap_solver("ilp", "highs", spec, presolve=True).solve(problem)
+    without = overlap_solver("ilp", "highs", spec, presolve=False).solve(problem)
     exact = _brute_force(problem, spec)
     assert with_pre.objective == pytest.approx(exact, abs=1e-6)
     assert without.objective == pytest.approx(exact, abs=1e-6)
@@ -302,7 +302,7 @@ def test_presolved_overlap_on_random_graphs_with_ties(seed):
                         for u, v in problem.edges]
     problem.ties = [[1, 4]]
     problem.validate()
-    sol = OverlapSolver(spec, presolve=True).solve(problem)
+    sol = overlap_solver("ilp", "highs", spec, presolve=True).solve(problem)
     assert sol.objective == pytest.approx(_brute_force(problem, spec), abs=1e-6)
     assert sol.assignment[1] == sol.assignment[4]
     _assert_caps(problem, spec, sol.assignment)
@@ -320,12 +320,10 @@ def test_presolve_keeps_a_node_whose_compute_buys_overlap():
         pairwise=[np.array([[10.0]]), np.array([[5.0], [0.0]])],
     )
     spec = OverlapSpec(3, prefetch=[0], backward=[])
-    from torchtitan_autoparallel.planner.solvers.overlap_presolve import overlap_presolve
-    from torchtitan_autoparallel.planner.solvers.presolve import presolve
 
     assert "a" not in presolve(problem).reduced.node_names  # the plain presolve folds it away
     assert "a" in overlap_presolve(problem, spec).reduced.node_names
-    sol = OverlapSolver(spec).solve(problem)
+    sol = overlap_solver("ilp", "highs", spec).solve(problem)
     assert sol.assignment.tolist() == [0, 1, 0] and sol.objective == pytest.approx(10.0)
 
 
@@ -333,8 +331,6 @@ def test_presolve_keeps_a_node_whose_compute_buys_overlap():
 def test_fixed_plan_savings_match_the_pinned_model(seed):
     from dataclasses import replace
 
-    from torchtitan_autoparallel.planner.solvers.ilp import HighsILPSolver
-    from torchtitan_autoparallel.planner.solvers.overlap_model import build_overlap_ilp
 
     problem, spec = _random_problem(np.random.default_rng(300 + seed), n=6)
     x = get_solver("ilp").solve(problem).assignment
@@ -355,8 +351,7 @@ def test_debug_model_overlap_with_and_without_presolve_agree():
     from torchtitan_autoparallel.planner.plan.api import plan_stages
     from torchtitan_autoparallel.planner.plan.options import PlannerOptions
     from torchtitan_autoparallel.planner.plan.overlap import overlap_spec
-    from torchtitan_autoparallel.planner.solvers.overlap import OVERLAP_MIP_GAP
-    from torchtitan_autoparallel.planner.solvers.overlap_presolve import overlap_presolve
+    from torchtitan_autoparallel.planner.solve.overlap.presolve import overlap_presolve
 
     mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
     model = build_meta_model("llama3", "debugmodel", n_layers=2)
@@ -364,8 +359,8 @@ def test_debug_model_overlap_with_and_without_presolve_agree():
                                                      time_limit_s=60))
     problem, spec = stages.built.problem, overlap_spec(stages.built, stages.traced)
     assert overlap_presolve(problem, spec).reduced.num_nodes < problem.num_nodes
-    a = OverlapSolver(spec, presolve=True).solve(problem, 120)
-    b = OverlapSolver(spec, presolve=False).solve(problem, 120)
+    a = overlap_solver("ilp", "highs", spec, presolve=True).solve(problem, 120)
+    b = overlap_solver("ilp", "highs", spec, presolve=False).solve(problem, 120)
     # both stop at the MIP gap: each plan is within it of the other's proven bound
     for one, other in ((a, b), (b, a)):
         assert one.lower_bound <= other.objective + TOL

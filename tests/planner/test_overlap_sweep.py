@@ -9,21 +9,19 @@ import numpy as np
 import pytest
 from test_overlap import _brute_force, _layered_problem, _random_problem
 
-from torchtitan_autoparallel.planner.solvers import get_solver
-from torchtitan_autoparallel.planner.solvers.auto import AutoSolver
-from torchtitan_autoparallel.planner.solvers.overlap import (
-    OverlapSolver,
-    overlap_objective,
-    overlap_solver,
-)
-from torchtitan_autoparallel.planner.solvers.overlap_lagrange import (
+from torchtitan_autoparallel.planner.problem.problem import Problem
+from torchtitan_autoparallel.planner.solve import get_solver
+from torchtitan_autoparallel.planner.solve.overlap.lagrange import (
     SweepOverlapSolver,
     reweighted,
     slope,
     sweep,
 )
-from torchtitan_autoparallel.planner.solvers.overlap_model import OverlapSpec
-from torchtitan_autoparallel.planner.solvers.overlap_terms import overlappable
+from torchtitan_autoparallel.planner.solve.overlap.model import OverlapSpec
+from torchtitan_autoparallel.planner.solve.overlap.solver import OverlapSolver, overlap_objective
+from torchtitan_autoparallel.planner.solve.overlap.terms import overlappable
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
+from torchtitan_autoparallel.planner.solve.registry import AutoSolver, overlap_solver
 
 TOL = 1e-6
 
@@ -98,7 +96,7 @@ def test_sweep_logs_a_line_a_step_and_hides_its_plain_solves_at_info(level, capl
 @pytest.mark.parametrize("seed", range(3))
 def test_approx_with_overlap_returns_a_certified_plan(seed):
     problem, spec = _layered_problem(np.random.default_rng(seed))
-    exact = OverlapSolver(spec).solve(problem).objective
+    exact = overlap_solver("ilp", "highs", spec).solve(problem).objective
     solver = overlap_solver("approx", "highs", spec)
     assert isinstance(solver, SweepOverlapSolver)
     sol = solver.solve(problem, time_limit=30)
@@ -131,14 +129,13 @@ def test_auto_with_overlap_picks_exact_or_sweep():
     solver = overlap_solver("auto", "highs", spec)
     assert isinstance(solver, AutoSolver)
     assert isinstance(solver.exact, OverlapSolver) and isinstance(solver.approx, SweepOverlapSolver)
-    assert overlap_solver("lp", "highs", spec).relax
-    with pytest.raises(ValueError, match="accepted: ilp, lp, approx, auto"):
+    with pytest.raises(ValueError, match="accepted: approx, auto, brute-force, ilp$"):
         overlap_solver("greedy", "highs", spec)
 
 
 def test_exact_path_reports_the_better_of_sweep_and_mip_bounds():
     problem, spec = _layered_problem(np.random.default_rng(7))
-    sol = OverlapSolver(spec).solve(problem)
+    sol = overlap_solver("ilp", "highs", spec).solve(problem)
     assert sol.lower_bound <= _brute_force(problem, spec) + TOL
     assert sol.objective == pytest.approx(_brute_force(problem, spec), abs=1e-6)
 
@@ -146,8 +143,6 @@ def test_exact_path_reports_the_better_of_sweep_and_mip_bounds():
 def test_restrict_inverts_expand_and_refuses_dropped_strategies():
     import itertools
 
-    from torchtitan_autoparallel.planner.problem.problem import Problem
-    from torchtitan_autoparallel.planner.solvers.presolve import presolve
 
     rng = np.random.default_rng(11)
     pairs = [(u, v) for u in range(5) for v in range(u + 1, 5)]  # K5: nothing to eliminate

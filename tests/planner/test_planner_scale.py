@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.cost.profiles import load_profile
 from torchtitan_autoparallel.planner.problem.build import build_problem
-from torchtitan_autoparallel.planner.solvers import get_solver
+from torchtitan_autoparallel.planner.solve import get_solver
 from torchtitan_autoparallel.planner.strategies.repeats import _phase_layer_groups, repeated_layer_ties
 from torchtitan_autoparallel.planner.strategies.strategy import enumerate_strategies
 from torchtitan_autoparallel.planner.trace.trace import trace_training_step

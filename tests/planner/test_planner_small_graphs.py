@@ -16,8 +16,8 @@ from torchtitan_autoparallel.planner.cost.profiles import load_profile
 from torchtitan_autoparallel.planner.plan.plan import Plan, plan_from_solution
 from torchtitan_autoparallel.planner.problem.build import build_problem
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers import get_solver
-from torchtitan_autoparallel.planner.solvers.brute_force import BruteForceSolver
+from torchtitan_autoparallel.planner.solve import get_solver
+from torchtitan_autoparallel.planner.solve.brute_force import BruteForceSolver
 from torchtitan_autoparallel.planner.strategies.strategy import enumerate_strategies
 from torchtitan_autoparallel.planner.trace.trace import BatchSpec, trace_training_step
 

@@ -9,14 +9,23 @@ import pytest
 from _solver_checks import check_outcome
 
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
-from torchtitan_autoparallel.planner.solvers import (
+from torchtitan_autoparallel.planner.solve import (
     BruteForceSolver,
     HighsILPSolver,
     PresolvingSolver,
     get_solver,
-    presolve,
 )
-from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
+from torchtitan_autoparallel.planner.solve.presolve import reduce
+from torchtitan_autoparallel.planner.solve.presolve.collapse import collapse_ties
+from torchtitan_autoparallel.planner.solve.presolve.kernels import (
+    dominated,
+    first_argmin_plus,
+    min_plus,
+    scan,
+    separable,
+)
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
+from torchtitan_autoparallel.planner.solve.presolve.reduce import beaten, swap_difference
 
 
 def make_problem(
@@ -333,7 +342,6 @@ def _wide_problem(seed: int) -> Problem:
 
 def _dominated_by_full_check(graph, v: int) -> np.ndarray:  # noqa: ANN001 (reduce.Graph)
     """Dead-end elimination as its formula reads: every pair, every column."""
-    from torchtitan_autoparallel.planner.solvers.reduce import beaten, swap_difference
 
     unary = graph.unary[v]
     margin = unary[:, None] - unary[None, :]
@@ -344,8 +352,6 @@ def _dominated_by_full_check(graph, v: int) -> np.ndarray:  # noqa: ANN001 (redu
 
 @pytest.mark.parametrize("seed", range(6))
 def test_compiled_dominance_drops_exactly_what_the_full_check_drops(seed: int) -> None:
-    from torchtitan_autoparallel.planner.solvers import reduce
-
     problem = _wide_problem(seed)
     graph = reduce.Graph(problem)
     for v in range(problem.num_nodes):
@@ -362,7 +368,6 @@ def test_presolve_of_wide_nodes_keeps_the_optimum(seed: int) -> None:
 
 @pytest.mark.parametrize("shape", [(3, 40, 5), (70, 30, 90), (64, 1, 64)])
 def test_min_plus_equals_the_block_min_and_argmin(shape: tuple[int, int, int]) -> None:
-    from torchtitan_autoparallel.planner.solvers.kernels import first_argmin_plus, min_plus
 
     rng = np.random.default_rng(sum(shape))
     ku, kv, kw = shape
@@ -406,7 +411,6 @@ def test_pairwise_sum_is_numpys_sum(length: int) -> None:
 
 
 def test_separable_tables_are_recognised_in_either_layout() -> None:
-    from torchtitan_autoparallel.planner.solvers.kernels import separable
 
     rng = np.random.default_rng(0)
     a, b = rng.uniform(0, 1e3, size=7), rng.uniform(0, 1e3, size=5)
@@ -423,7 +427,6 @@ def test_scan_finds_the_separable_tables_and_the_usable_strategies() -> None:
     """``kernels.scan`` (a node's first look in the presolve) agrees with its
     definition: ``separable`` per table; usable means a finite unary, a finite
     entry in each table's row, and finite memory within the limit."""
-    from torchtitan_autoparallel.planner.solvers.kernels import scan, separable
 
     rng = np.random.default_rng(3)
     for trial in range(40):
@@ -488,8 +491,6 @@ def test_reduction_is_logged(caplog) -> None:
 def test_dominance_kernel_matches_the_formula_on_near_ties(seed: int) -> None:
     """Rows that nearly copy one another (rounded, so many pairs tie or pass the cheap
     bounds and fail only at the exact sum), forbidden entries and memory."""
-    from torchtitan_autoparallel.planner.solvers.kernels import dominated
-    from torchtitan_autoparallel.planner.solvers.reduce import beaten, swap_difference
 
     rng = np.random.default_rng(seed)
     checked = dropped = 0

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from torchtitan_autoparallel.planner.problem.problem import Problem, share_tables
-from torchtitan_autoparallel.planner.solvers import get_solver
-from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
-from torchtitan_autoparallel.planner.solvers.ilp_model import tie_components
+from torchtitan_autoparallel.planner.solve import get_solver
+from torchtitan_autoparallel.planner.solve.presolve.collapse import collapse_ties, tie_components
 
 
 def stacked_layers(layers: int, shared: bool, seed: int = 0) -> Problem:
@@ -145,53 +144,3 @@ def test_tie_components_of_disjoint_and_overlapping_groups() -> None:
     merged = tie_components(6, [[0, 1], [1, 2], [4, 5]])  # 0, 1, 2 join through node 1
     assert merged[0] == merged[1] == merged[2] and merged[4] == merged[5]
     assert len(set(merged.tolist())) == 3
-
-
-_SIGNATURES = r"""
-import sys
-import numba
-import numpy as np
-sys.path.insert(0, sys.argv[1])
-from test_shared_tables import stacked_layers
-from torchtitan_autoparallel.planner.problem import sums
-from torchtitan_autoparallel.planner import warm_up
-from torchtitan_autoparallel.planner.solvers import (
-    collapse, get_solver, kernels, local_search, mrf, trws,
-)
-
-COMPILED = (kernels, sums, collapse, local_search, mrf, trws)
-
-def signatures():
-    return {(m.__name__, name): len(f.signatures) for m in COMPILED for name, f in vars(m).items()
-            if isinstance(f, numba.core.registry.CPUDispatcher)}
-
-warm_up.compile_all()
-before = signatures()
-for layers in (3, 9, 20):
-    problem = stacked_layers(layers, True, seed=layers)
-    # memory that binds: the Lagrangian search, repair and trades run too
-    problem.memory = [np.linspace(1.0, 2.0, len(u)) * (1 + v % 3) for v, u in enumerate(problem.unary)]
-    problem.memory_budget = 1.3 * sum(float(m.min()) for m in problem.memory)
-    for name in ("approx", "ilp", "lp"):
-        get_solver(name).solve(problem)
-grown = {k: (before.get(k, 0), n) for k, n in signatures().items() if n != before.get(k, 0)}
-print("GROWN", grown)
-print("WATCHED", len(before))
-"""
-
-
-def test_warm_up_covers_every_kernel_signature_a_solve_uses() -> None:
-    """After ``warm_up.compile_all`` a solve over shared (read-only) tables compiles, or
-    loads from the cache, nothing more: a signature it missed is a compile in the
-    middle of a machine's first solve, and 5-10 ms of every fresh process's."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    done = subprocess.run(
-        [sys.executable, "-c", _SIGNATURES, str(Path(__file__).parent)],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "GROWN {}" in done.stdout, done.stdout
-    assert int(done.stdout.split("WATCHED")[1]) > 40  # every compiled module's functions

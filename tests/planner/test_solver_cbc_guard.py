@@ -10,9 +10,9 @@ import pytest
 from test_solvers import uniform_problem
 
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers import CbcILPSolver
-from torchtitan_autoparallel.planner.solvers.cbc import CBC_OVERRUN_S, CBC_STOP_WAIT_S
-from torchtitan_autoparallel.planner.solvers.ilp_model import build_ilp
+from torchtitan_autoparallel.planner.solve import CbcILPSolver
+from torchtitan_autoparallel.planner.solve.exact.cbc import CBC_OVERRUN_S, CBC_STOP_WAIT_S
+from torchtitan_autoparallel.planner.solve.exact.model import build_ilp
 
 LIMIT_S = 1.0
 # writing the MPS file and reading back the plan, on a busy machine

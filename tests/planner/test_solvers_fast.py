@@ -19,24 +19,25 @@ from test_solvers import random_problem
 from torchtitan_autoparallel.config import load_config
 from torchtitan_autoparallel.errors import ConfigError
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
-from torchtitan_autoparallel.planner.solvers import (
+from torchtitan_autoparallel.planner.solve import (
     ApproxSolver,
     BruteForceSolver,
     HighsILPSolver,
-    LPSolver,
     get_solver,
-    presolve,
 )
-from torchtitan_autoparallel.planner.solvers import auto as auto_module
-from torchtitan_autoparallel.planner.solvers.approx import search
-from torchtitan_autoparallel.planner.solvers.ilp import _Run
-from torchtitan_autoparallel.planner.solvers.local_search import LocalState, polish
-from torchtitan_autoparallel.planner.solvers.lp import lp_bound, solve_lp
-from torchtitan_autoparallel.planner.solvers.mrf import build_mrf
-from torchtitan_autoparallel.planner.solvers.trws import Trws
+from torchtitan_autoparallel.planner.solve import registry as auto_module
+from torchtitan_autoparallel.planner.solve.approx import local_search
+from torchtitan_autoparallel.planner.solve.approx.local_search import LocalState, polish
+from torchtitan_autoparallel.planner.solve.approx.mrf import build_mrf
+from torchtitan_autoparallel.planner.solve.approx.solver import search
+from torchtitan_autoparallel.planner.solve.approx.trws import Trws, _stalled
+from torchtitan_autoparallel.planner.solve.exact.ilp import _Run
+from torchtitan_autoparallel.planner.solve.exact.lp_bound import lp_bound, solve_lp
+from torchtitan_autoparallel.planner.solve.exact.rounding import round_and_polish
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 
 TOL = 1e-6
-FAST = ["lp", "approx", "auto"]
+FAST = ["approx", "auto"]
 
 
 def oracle(problem: Problem):
@@ -82,14 +83,15 @@ def test_lp_bound_below_optimum_below_every_plan(seed: int) -> None:
         assert sol.objective >= best.objective - TOL
         assert sol.lower_bound <= best.objective + TOL
     lp = solve_lp(problem, None)
-    if lp.integral:  # then the LP's plan is the optimum, and says so
+    if lp.integral:  # then the LP's plan is the optimum, and the ILP stops there saying so
         assert lp.value == pytest.approx(best.objective, rel=1e-9, abs=TOL)
-        sol = LPSolver().solve(problem)
+        sol = HighsILPSolver().solve(problem)
         assert sol.status == "optimal"
         assert sol.objective == pytest.approx(best.objective, rel=1e-9)
 
 
-def test_fractional_lp_is_rounded_polished_and_bounded() -> None:
+def test_fractional_lp_rounds_and_polishes_to_a_feasible_plan_above_its_bound() -> None:
+    """The rounded LP plan (an incumbent for reduced-cost fixing) fits, and the LP bounds it."""
     fractional = 0
     for seed in range(40):
         problem = random_problem(1000 + seed, num_nodes=(6, 9), inf_fraction=0.0)
@@ -98,10 +100,9 @@ def test_fractional_lp_is_rounded_polished_and_bounded() -> None:
             continue
         fractional += 1
         best = BruteForceSolver().solve(problem)
-        sol = LPSolver().solve(problem)
-        assert_scored(problem, sol)
-        assert sol.lower_bound == pytest.approx(lp.value, rel=1e-9)
-        assert lp.value <= best.objective + TOL <= sol.objective + 2 * TOL
+        x = round_and_polish(problem, lp.marginals, None)
+        assert x is not None and problem.is_feasible(x)
+        assert lp.value <= best.objective + TOL <= problem.energy(x) + 2 * TOL
     assert fractional >= 3  # the case is really exercised
 
 
@@ -120,7 +121,6 @@ def test_trws_bound_is_valid_at_every_iteration(iterations: int) -> None:
 
 
 def _stall_point(bounds: list[float], energies: list[float], patience: int = 10) -> int | None:
-    from torchtitan_autoparallel.planner.solvers.trws import _stalled
 
     history: list[tuple[float, float]] = []
     for i, (b, e) in enumerate(zip(bounds, energies)):
@@ -257,7 +257,6 @@ def test_star_moves_skip_only_centres_whose_answer_cannot_have_changed(monkeypat
     """Skipping settled star centres gives the very plans a search that re-examines
     every centre in every round gives (a reach of one edge instead of two fails this),
     and it does skip: fewer block moves are tried."""
-    from torchtitan_autoparallel.planner.solvers import local_search
 
     rng = np.random.default_rng(0)
     cases = []
@@ -300,7 +299,6 @@ def test_tree_blocks_are_trees_solved_exactly(depth: int) -> None:
     energy + lam * memory, with the gain and growth that relabeling really has."""
     from itertools import product
 
-    from torchtitan_autoparallel.planner.solvers import local_search
 
     rng = np.random.default_rng(depth)
     for seed in range(12):
@@ -463,17 +461,18 @@ def test_auto_picks_by_size_and_says_why(monkeypatch, caplog) -> None:
 
 
 def test_registry_and_config_name_the_solvers() -> None:
-    assert get_solver("lp").name == "lp-highs"
     assert get_solver("approx").name == "approx-trws"
-    with pytest.raises(ValueError, match="accepted: approx, auto, brute-force, ilp, lp"):
+    with pytest.raises(ValueError, match="accepted: approx, auto, brute-force, ilp$"):
         get_solver("greedy")
-    for name in ("ilp", "lp", "approx", "auto"):
+    for name in ("ilp", "approx", "auto"):
         assert load_config(["--autoparallel.solver", name]).autoparallel.solver == name
     with pytest.raises(ConfigError) as info:
         load_config(["--autoparallel.solver", "trws"])
     message = str(info.value)
     assert "\n" not in message
-    assert "autoparallel.solver = 'trws' is not accepted; accepted: ilp, lp, approx, auto" in message
+    assert "autoparallel.solver = 'trws' is not accepted; accepted: ilp, approx, auto" in message
+    with pytest.raises(ConfigError, match="'lp' is not accepted"):  # the LP is a bound, not a solver
+        load_config(["--autoparallel.solver", "lp"])
 
 
 def test_cache_key_covers_the_optimality_check() -> None:
@@ -560,9 +559,9 @@ def test_debug_model_bounds_sit_below_every_plan(debug_stages, looseness: float)
     problem = debug_stages.built.problem
     problem = dataclasses.replace(problem, memory_budget=problem.memory_budget * looseness)
     # a loose budget leaves the LP fractional and the ILP's branch-and-bound long: cap it
-    limits = {"ilp": 5, "lp": 60, "approx": 60}
+    limits = {"ilp": 5, "approx": 60}
     plans = {name: get_solver(name).solve(problem, limit) for name, limit in limits.items()}
-    bounds = [sol.lower_bound for sol in plans.values()]  # the lp solver's is the LP value
+    bounds = [sol.lower_bound for sol in plans.values()] + [lp_bound(problem, 60)]
     best = min(sol.objective for sol in plans.values())
     assert max(bounds) <= best * (1 + 1e-7)
     for name, sol in plans.items():
@@ -572,5 +571,5 @@ def test_debug_model_bounds_sit_below_every_plan(debug_stages, looseness: float)
     if plans["ilp"].status == "optimal":
         assert plans["approx"].objective >= plans["ilp"].objective * (1 - 1e-9)
         lp = solve_lp(presolve(problem).reduced, 60)
-        if lp.integral:
-            assert plans["lp"].objective == pytest.approx(plans["ilp"].objective, rel=1e-9)
+        if lp.integral:  # the ILP stopped at the LP's optimum
+            assert lp.value + presolve(problem).offset == pytest.approx(plans["ilp"].objective, rel=1e-9)

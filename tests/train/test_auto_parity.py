@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from _run import CONFIGS, FEW_LAYERS, RunCache, check_records, read_metrics, run_launcher
 
 pytestmark = pytest.mark.multirank

@@ -10,7 +10,7 @@ import pytest
 from _run import run_launcher
 
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers import get_solver
+from torchtitan_autoparallel.planner.solve import get_solver
 
 REQUIRED_KEYS = {
     "objective", "lower_bound", "solver", "timings", "mesh", "parameters",

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.profiler import ProfilerAction
-
 from _run import CONFIGS, check_records, read_metrics, run_launcher
+from torch.profiler import ProfilerAction
 
 from torchtitan_autoparallel.config import load_config
 from torchtitan_autoparallel.train.profiling import StepProfiler

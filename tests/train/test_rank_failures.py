@@ -10,10 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
 from _failing_rank import BAD_INPUT
 from _run import PYTHON, REPO, launch_test_module, run_launcher
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from torchtitan_autoparallel.train import failures
 

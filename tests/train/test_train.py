@@ -18,7 +18,6 @@ through a module-scoped cache.
 from __future__ import annotations
 
 import pytest
-
 from _run import FEW_LAYERS, RUNS, RunCache, check_records, read_metrics, train
 
 pytestmark = pytest.mark.multirank

@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from _run import REPO, read_metrics, run_launcher
 
 JOB = REPO / "experiments" / "tt_configs" / "torchtitan" / "llama3_debug_model_0.2.toml"

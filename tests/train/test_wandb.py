@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _run import LLAMA3_CONFIG, read_metrics, run_launcher
+
 from torchtitan_autoparallel.errors import UserError
 
 

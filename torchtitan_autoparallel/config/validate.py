@@ -12,7 +12,7 @@ ASYNC_MODES = ("disabled", "async")  # torchtitan's async_with_pinned_mem: not y
 DECAY_TYPES = ("linear", "cosine", "sqrt")
 AC_MODES = ("none", "full", "selective")
 OPTIMIZERS = ("AdamW", "Adam")
-SOLVERS = ("ilp", "lp", "approx", "auto")
+SOLVERS = ("ilp", "approx", "auto")
 ILP_BACKENDS = ("highs", "cbc")
 COMPILE_COMPONENTS = ("model", "loss")
 # torch.compile backends that run on any device with nothing more installed

@@ -238,15 +238,14 @@ def _warn_unused_fsdp_setting(job: JobConfig) -> None:
 
 
 def _warn_unused_mip_gap(job: JobConfig) -> None:
-    """Only a MIP search stops at a gap: the LP (without overlap) and TRW-S run none."""
+    """Only a MIP search stops at a gap: TRW-S (and its overlap sweep) runs none."""
     a = job.autoparallel
     if a.mip_gap is None:
         return
-    if a.solver == "approx" or (a.solver == "lp" and not a.overlap):
+    if a.solver == "approx":
         print(
             f"warning: autoparallel.mip_gap = {a.mip_gap!r} has no effect: solver = {a.solver!r} "
-            "runs no MIP search; it applies to solver = ilp or auto"
-            + (" (and lp with overlap)" if a.solver == "lp" else ""),
+            "runs no MIP search; it applies to solver = ilp or auto",
             file=sys.stderr,
         )
 

@@ -19,8 +19,8 @@ import numpy as np
 
 from torchtitan_autoparallel.planner.cost import pricer
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers import kernels
-from torchtitan_autoparallel.planner.solvers.approx import ApproxSolver
+from torchtitan_autoparallel.planner.solve.approx.solver import ApproxSolver
+from torchtitan_autoparallel.planner.solve.presolve import kernels
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 

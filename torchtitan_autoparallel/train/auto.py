@@ -30,7 +30,7 @@ from torchtitan_autoparallel.planner.cost.profiles import default_profile_name, 
 from torchtitan_autoparallel.planner.plan.api import ExecutablePlan, plan_stages
 from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem
-from torchtitan_autoparallel.planner.solvers.ilp import SolverTimeout
+from torchtitan_autoparallel.planner.solve.base import SolverTimeout
 from torchtitan_autoparallel.report.common import GIB, memory_fit, peak_summary, plan_warnings
 from torchtitan_autoparallel.report.executed import MeshGroups, executed_collectives, traced_step_collectives
 from torchtitan_autoparallel.report.html import write_html

@@ -403,16 +403,3 @@ def clear_caches() -> None:
     """Forget memoised pricers and ``cost_model``'s plans (tests, or a changed profile)."""
     pricer.cache_clear()
     cost_model.clear_caches()
-
-
-def warm_up() -> None:
-    """Compile (or load from numba's cache) the loops now (``planner/warm_up.py``)."""
-    moves = _Prices(capacity=2)
-    moves.put(0, 0.0)
-    moves.put(1, 0.0)  # grows the table: ``_rehash``
-    one = np.ones(1, dtype=np.int64)
-    cell = np.ones((1, 1), dtype=np.bool_)
-    # one pair, state 0 to 1: every digit of both must index the table of supported moves
-    supported = np.ones((RADIX, RADIX), dtype=np.bool_)
-    _fill(np.empty((1, 1)), cell, 0, one * 0, one, supported, one, RADIX, RADIX, 0, 1, one,
-          moves.keys, moves.prices, moves.keys, moves.prices, *_work_buffers(1, 4))

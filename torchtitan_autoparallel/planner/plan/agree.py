@@ -20,8 +20,7 @@ from torch import fx
 
 from torchtitan_autoparallel.planner.problem.build import BuiltProblem
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem
-from torchtitan_autoparallel.planner.solvers.base import Solution
-from torchtitan_autoparallel.planner.solvers.ilp import SolverTimeout
+from torchtitan_autoparallel.planner.solve.base import Solution, SolverTimeout
 
 
 class PlanMismatch(RuntimeError):

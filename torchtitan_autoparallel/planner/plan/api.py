@@ -29,10 +29,9 @@ from torchtitan_autoparallel.planner.plan.overlap import add_overlap_prediction,
 from torchtitan_autoparallel.planner.plan.plan import Plan, plan_from_solution
 from torchtitan_autoparallel.planner.problem.build import BuiltProblem, build_problem
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers import get_solver
-from torchtitan_autoparallel.planner.solvers.auto import choose
-from torchtitan_autoparallel.planner.solvers.base import Solution
-from torchtitan_autoparallel.planner.solvers.overlap import overlap_solver
+from torchtitan_autoparallel.planner.solve import get_solver
+from torchtitan_autoparallel.planner.solve.base import Solution
+from torchtitan_autoparallel.planner.solve.registry import choose, overlap_solver
 from torchtitan_autoparallel.planner.strategies.repeats import repeated_layer_ties
 from torchtitan_autoparallel.planner.strategies.strategy import Strategy, enumerate_strategies
 from torchtitan_autoparallel.planner.trace.trace import TracedStep, trace_training_step

@@ -41,7 +41,7 @@ from torchtitan_autoparallel.planner.plan.agree import agree_on_solution, finger
 from torchtitan_autoparallel.planner.plan.api import SolveHook
 from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.problem.build import BuiltProblem
-from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solve.base import Solution
 
 log = logging.getLogger("torchtitan_autoparallel.execute")
 

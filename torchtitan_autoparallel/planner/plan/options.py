@@ -16,7 +16,7 @@ from torchtitan_autoparallel.models.loss import cross_entropy_loss
 from torchtitan_autoparallel.planner.cost.profiles import HardwareProfile
 from torchtitan_autoparallel.planner.trace.trace import BatchSpec, LossFn
 
-SolverName = Literal["ilp", "lp", "approx", "auto"]
+SolverName = Literal["ilp", "approx", "auto"]
 IlpBackend = Literal["highs", "cbc"]
 Recompute = Literal["none", "full", "selective"]
 
@@ -28,9 +28,8 @@ _NOT_KEYED = ("export_problem", "loss_fn", "batch")
 class PlannerOptions:
     """What to plan (batch, dtypes, cost profile) and how (solver, limits, modelling switches).
 
-    ``solver``: ``ilp`` (exact, HiGHS or CBC per ``ilp_backend``), ``lp`` (the
-    relaxation, rounded), ``approx`` (TRW-S and local search) or ``auto`` (picks
-    by problem size). ``optimality_check`` adds the LP bound to the plan's
+    ``solver``: ``ilp`` (exact, HiGHS or CBC per ``ilp_backend``), ``approx``
+    (TRW-S and local search) or ``auto`` (picks by problem size). ``optimality_check`` adds the LP bound to the plan's
     ``lower_bound``; ``mip_gap`` stops the exact search once the plan is proven
     within that relative gap. ``memory_budget_gib`` bounds the parameters' bytes
     per device (None: every parameter sharded where it can be).

@@ -10,7 +10,7 @@
   its producer (DDP/FSDP bucketed reduce-scatters).
 
 Activation redistributions stay exposed: their consumer waits on them.
-The solver side is ``planner/solvers/overlap*.py``.
+The solver side is ``planner/solve/overlap/``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from torch import fx
 
 from torchtitan_autoparallel.planner.plan.plan import Plan, _gradient_tail
 from torchtitan_autoparallel.planner.problem.build import GRAD_EDGE, BuiltProblem
-from torchtitan_autoparallel.planner.solvers.overlap import overlap_breakdown
-from torchtitan_autoparallel.planner.solvers.overlap_model import OverlapSpec
+from torchtitan_autoparallel.planner.solve.overlap.model import OverlapSpec
+from torchtitan_autoparallel.planner.solve.overlap.solver import overlap_breakdown
 from torchtitan_autoparallel.planner.strategies.rules import VIEW_OPS
 from torchtitan_autoparallel.planner.trace.trace import TracedStep
 

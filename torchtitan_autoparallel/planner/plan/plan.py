@@ -22,7 +22,7 @@ from torch import fx
 from torchtitan_autoparallel.planner.cost.cost_model import collective_time_us, mesh_dim_links, redistribute_steps
 from torchtitan_autoparallel.planner.plan.memory import predicted_peak, whole_peak
 from torchtitan_autoparallel.planner.problem.build import GRAD_EDGE, BuiltProblem, EdgeInfo
-from torchtitan_autoparallel.planner.solvers.base import Solution
+from torchtitan_autoparallel.planner.solve.base import Solution
 from torchtitan_autoparallel.planner.strategies.placement import label, placement_str
 from torchtitan_autoparallel.planner.strategies.rules import VIEW_OPS
 from torchtitan_autoparallel.planner.trace.trace import TracedStep

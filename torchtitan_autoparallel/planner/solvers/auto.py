@@ -27,8 +27,8 @@ from dataclasses import replace
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
-from torchtitan_autoparallel.planner.solvers.ilp_model import tie_components
+from torchtitan_autoparallel.planner.solve.base import Solution, Solver
+from torchtitan_autoparallel.planner.solve.presolve.collapse import tie_components
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 EXACT_MAX_ENTRIES = 1_000_000

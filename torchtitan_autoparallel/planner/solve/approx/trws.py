@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel import jit
-from torchtitan_autoparallel.planner.solvers.mrf import Mrf
+from torchtitan_autoparallel.planner.solve.approx.mrf import Mrf
 
 _jit = jit.jit
 _inline = jit.inline

@@ -1,11 +1,9 @@
-"""The LP relaxation of the ILP on HiGHS: a lower bound for any plan, and the ``lp`` solver.
+"""The LP relaxation of the ILP on HiGHS: a lower bound for any plan.
 
-The relaxation is the ILP of ``ilp_model`` with its binaries made continuous
+The relaxation is the ILP of ``exact.model`` with its binaries made continuous
 (the local polytope). Its optimum bounds every plan's energy from below; when
-it is integral it *is* the optimal plan. When it is fractional the ``lp``
-solver rounds it (each node takes its largest marginal; tied nodes share
-marginals and pins leave one strategy, so both hold) and polishes the rounded
-plan with the same local search as the approximate solver, under the budget.
+it is integral it *is* the optimal plan (the ILP solver starts with this LP and
+stops there when it is).
 
 ``CertifyingSolver`` adds a proven bound to any solver's result
 (``optimality_check``), so a plan from a fast heuristic comes with a proven gap:
@@ -24,13 +22,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers.approx import ApproxSolver
-from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
-from torchtitan_autoparallel.planner.solvers.ilp import INTEGRALITY_TOL, HighsILPSolver
-from torchtitan_autoparallel.planner.solvers.ilp_model import build_ilp
-from torchtitan_autoparallel.planner.solvers.presolve import presolve
-from torchtitan_autoparallel.planner.solvers.rounding import marginals, round_and_polish
-from torchtitan_autoparallel.planner.solvers.trws import OPTIMAL_RTOL
+from torchtitan_autoparallel.planner.solve.base import Solution, Solver
+from torchtitan_autoparallel.planner.solve.exact.ilp import INTEGRALITY_TOL, OPTIMAL_RTOL, HighsILPSolver
+from torchtitan_autoparallel.planner.solve.exact.model import build_ilp
+from torchtitan_autoparallel.planner.solve.exact.rounding import marginals
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 MIN_SLICE_S = 1.0  # the least time a follow-up step (fallback, certificate) is given
@@ -113,68 +109,6 @@ def _bound_problem(problem: Problem, reduce: bool) -> tuple[Problem, float]:
     return pre.reduced, pre.offset
 
 
-class LPSolver:
-    """Solve the LP; integral -> the optimal plan; fractional -> round, polish, bound."""
-
-    def __init__(self, name: str = "lp-highs") -> None:
-        self.name = name
-
-    def solve(self, problem: Problem, time_limit: float | None = None) -> Solution:
-        start = time.perf_counter()
-        if problem.num_nodes == 0:
-            return Solution(np.zeros(0, np.int64), 0.0, 0.0, self.name, "optimal", 0.0)
-        lp = solve_lp(problem, time_limit)
-        if lp.status == "infeasible":  # the ILP names the smallest budget when it is to blame
-            return _relabel(HighsILPSolver().solve(problem, _left(start, time_limit)), self.name)
-        if lp.status == "time_limit":
-            LOG.warning(
-                "%s: the LP did not finish in %s s; using the approximate solver",
-                self.name, time_limit,
-            )
-            return self._approx(problem, start, time_limit, -math.inf, timed_out=True)
-        if lp.integral:
-            x = np.argmax(lp.marginals, axis=1)
-            LOG.info("%s: the LP relaxation is integral, so optimal", self.name)
-            return self._finish(problem, x, lp.value, start, "optimal")
-        deadline = None if time_limit is None else start + time_limit
-        x = round_and_polish(problem, lp.marginals, deadline)
-        if x is None:
-            LOG.warning(
-                "%s: the rounded LP plan is infeasible; using the approximate solver", self.name
-            )
-            return self._approx(problem, start, time_limit, lp.value, timed_out=False)
-        return self._finish(problem, x, lp.value, start, "feasible")
-
-    def _finish(
-        self, problem: Problem, x: np.ndarray, bound: float, start: float, status: str
-    ) -> Solution:
-        objective = problem.energy(x)
-        if not problem.is_feasible(x, energy=objective):
-            raise RuntimeError(f"{self.name}: the plan violates the problem's constraints")
-        lower = min(objective, bound)
-        if objective - lower <= OPTIMAL_RTOL * max(abs(objective), 1.0):
-            status = "optimal"
-        LOG.info(
-            "%s: %s, objective %.6g us, LP bound %.6g us (gap %.3g%%)",
-            self.name, status, objective, bound, 100 * _gap(objective, lower),
-        )
-        return Solution(x, objective, lower, self.name, status, time.perf_counter() - start)
-
-    def _approx(
-        self,
-        problem: Problem,
-        start: float,
-        time_limit: float | None,
-        bound: float,
-        timed_out: bool,
-    ) -> Solution:
-        sol = ApproxSolver().solve(problem, _left(start, time_limit))
-        lower = min(sol.objective, max(sol.lower_bound, bound))
-        status = "time_limit" if timed_out and sol.status != "optimal" else sol.status
-        seconds = time.perf_counter() - start
-        return replace(sol, lower_bound=lower, solver=self.name, status=status, seconds=seconds)
-
-
 class CertifyingSolver:
     """Any solver, plus a proven bound on its plan (``optimality_check``): the LP's, raised
     by reduced-cost fixing and the MIP on what is left (``certified_bound``)."""
@@ -218,7 +152,3 @@ def _left(start: float, time_limit: float | None) -> float | None:
     if time_limit is None:
         return None
     return max(time_limit - (time.perf_counter() - start), MIN_SLICE_S)
-
-
-def _relabel(sol: Solution, name: str) -> Solution:
-    return replace(sol, solver=name)

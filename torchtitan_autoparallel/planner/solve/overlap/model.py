@@ -16,10 +16,10 @@ it runs while compute proceeds; the model credits that with a continuous saving
 * backward chain (gradient reductions): the same in reverse order, anchored at
   each edge's producer: a reduction hides behind compute that follows it.
 
-Compute and communication come in as ``OverlapTerms`` (``overlap_terms``):
+Compute and communication come in as ``OverlapTerms`` (``overlap.terms``):
 linear expressions over the base ILP's columns, so the same model is built on
 the full problem, on one fixed plan (all constants) or on the presolved
-problem (``overlap_presolve``), where one expression can stand for many tied
+problem (``overlap.presolve``), where one expression can stand for many tied
 edges and shares a capped column.
 
 The objective gains ``- sum s_e``. Every new column is scaled into [0, 1] (by
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel, build_ilp, tie_components
-from torchtitan_autoparallel.planner.solvers.overlap_terms import Linear, OverlapTerms, full_terms
+from torchtitan_autoparallel.planner.solve.exact.model import IlpModel, build_ilp
+from torchtitan_autoparallel.planner.solve.overlap.terms import Linear, OverlapTerms, full_terms
 
 
 @dataclass
@@ -249,10 +249,3 @@ def _merged(base: IlpModel, extra: _Rows, memory_last: bool) -> OverlapIlpModel:
         col_memory=np.concatenate([base.col_memory, np.zeros(new_cols)]),
     )
     return OverlapIlpModel(**fields, num_base_col=base.num_col)
-
-
-def shared_argmax(problem: Problem, model: IlpModel, col_value: np.ndarray) -> np.ndarray:
-    """Round LP marginals: each tie component takes its first member's largest x."""
-    x = model.assignment(col_value)
-    comp = tie_components(problem.num_nodes, problem.ties)
-    return x[comp]

@@ -1,11 +1,11 @@
-"""Exact (ILP) and relaxed (LP) solves of a ``Problem`` with overlap (``overlap_model``).
+"""The exact (ILP) solve of a ``Problem`` with overlap (``overlap.model``).
 
 The objective is ``energy(x) - savings(x)``, where ``savings(x)`` is the most
 communication the plan can hide behind compute (itself a small LP once ``x``
 is fixed; ``overlap_savings``). Solutions report that objective, recomputed
 from the tables for the plan the solver returns.
 
-By default the model is built on the problem after ``overlap_presolve``: the
+By default the model is built on the problem after ``overlap.presolve``: the
 exact presolve, restricted to the reductions that keep every node's compute
 and every overlappable edge's cost priced at its own step position (ties
 collapse, nodes whose choice moves only the energy are eliminated). The plan
@@ -15,7 +15,7 @@ problem (the reference the tests compare against).
 
 The approximate solver (TRW-S) works on pairwise energies only and cannot
 express the budget chains; with overlap on it runs inside the theta sweep of
-``overlap_lagrange`` (plain solves on reweighted tables, each plan scored on
+``overlap.lagrange`` (plain solves on reweighted tables, each plan scored on
 the exact objective, with a bound). The exact path runs the same sweep first:
 its best plan warm-starts the MIP, and its bound stands where the MIP proves
 less (a model too large for its root LP in time).
@@ -32,27 +32,25 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
-from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
-from torchtitan_autoparallel.planner.solvers.cbc import CbcILPSolver
-from torchtitan_autoparallel.planner.solvers.ilp import (
-    INTEGRALITY_TOL,
+from torchtitan_autoparallel.planner.solve.base import Solution, Solver
+from torchtitan_autoparallel.planner.solve.exact.cbc import CbcILPSolver
+from torchtitan_autoparallel.planner.solve.exact.ilp import (
     OBJECTIVE_RTOL,
     HighsILPSolver,
     _remaining,
     _Run,
 )
-from torchtitan_autoparallel.planner.solvers.ilp_model import build_ilp
-from torchtitan_autoparallel.planner.solvers.overlap_lagrange import Sweep, SweepOverlapSolver, sweep
-from torchtitan_autoparallel.planner.solvers.overlap_model import (
+from torchtitan_autoparallel.planner.solve.exact.model import build_ilp
+from torchtitan_autoparallel.planner.solve.overlap.lagrange import Sweep, sweep
+from torchtitan_autoparallel.planner.solve.overlap.model import (
     OverlapIlpModel,
     OverlapSpec,
     add_overlap,
     build_overlap_ilp,
-    shared_argmax,
 )
-from torchtitan_autoparallel.planner.solvers.overlap_presolve import overlap_presolve
-from torchtitan_autoparallel.planner.solvers.overlap_terms import empty_model, fixed_terms
-from torchtitan_autoparallel.planner.solvers.presolve import ENERGY_RTOL
+from torchtitan_autoparallel.planner.solve.overlap.presolve import overlap_presolve
+from torchtitan_autoparallel.planner.solve.overlap.terms import empty_model, fixed_terms
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import ENERGY_RTOL
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 # relative, the default mip_gap of the overlap MIP: the budget chains make its tree deep,
@@ -120,22 +118,23 @@ def _instance(problem: Problem, spec: OverlapSpec, presolve: bool) -> _Instance:
 
 
 class OverlapSolver:
-    """Energy minus overlap savings, on HiGHS or CBC; ``relax`` solves the LP and rounds.
-    ``presolve`` (default) solves the overlap-exact reduced problem (``overlap_presolve``).
+    """Energy minus overlap savings, on HiGHS or CBC. ``plain`` gives the plain solver
+    of a name (``registry.get_solver`` on the same backend): ``auto`` for the sweep's
+    solves, ``ilp`` for the warm start and the infeasibility diagnosis.
+    ``presolve`` (default) solves the overlap-exact reduced problem (``overlap.presolve``).
     ``mip_gap``: the MIP stops once its plan is proven within it, and a sweep plan
     already proven within it skips the MIP. None (the default): the MIP stops at
     ``OVERLAP_MIP_GAP``, and only a sweep plan that meets its bound skips it."""
 
-    def __init__(self, spec: OverlapSpec, backend: str = "highs", relax: bool = False,
+    def __init__(self, spec: OverlapSpec, plain: Callable[[str], Solver], backend: str = "highs",
                  presolve: bool = True, mip_gap: float | None = None) -> None:
         self.spec = spec
+        self.plain = plain
         self.backend = backend
-        self.relax = relax
         self.presolve = presolve
         self.mip_gap = OVERLAP_MIP_GAP if mip_gap is None else mip_gap
         self.sweep_gap = CERTIFY_RTOL if mip_gap is None else mip_gap
-        kind = "lp" if relax else "ilp"
-        self.name = f"{kind}-{backend}+overlap"
+        self.name = f"ilp-{backend}+overlap"
 
     def solve(self, problem: Problem, time_limit: float | None = None) -> Solution:
         start = time.perf_counter()
@@ -167,38 +166,32 @@ class OverlapSolver:
             raise InfeasibleProblem("no plan satisfies the constraints")
         if run.status == "no_solution":
             return self._fallback(problem, inst, found, start, time_limit)
-        x = model.assignment(run.col_value) if run.status != "rounded" else run.col_value
+        x = model.assignment(run.col_value)
         return _with_sweep(self._finish(problem, inst, x, run, start), found, start)
 
     def _sweep(self, problem: Problem, time_limit: float | None) -> Sweep | None:
-        """The theta sweep (``overlap_lagrange``): a plan and a bound. Its plain solves go to
+        """The theta sweep (``overlap.lagrange``): a plan and a bound. Its plain solves go to
         ``auto``: reweighting makes the ILP's LP fractional, and on 3-D meshes one exact
         solve of a reweighted problem can take minutes where TRW-S takes seconds."""
-        from torchtitan_autoparallel.planner.solvers import get_solver
-
         share = None if time_limit is None else SWEEP_SHARE * time_limit
         try:
-            return sweep(problem, self.spec, get_solver("auto", self.backend),
+            return sweep(problem, self.spec, self.plain("auto"),
                          lambda x: overlap_objective(problem, self.spec, x), share)
         except InfeasibleProblem:
             return None  # the overlap solve reports it
 
     def _diagnose(self, problem: Problem, start: float, time_limit: float | None) -> None:
         """Overlap never changes feasibility: the plain solver names the culprit (and raises)."""
-        from torchtitan_autoparallel.planner.solvers import get_solver
-
-        get_solver("ilp", self.backend).solve(problem, _remaining(start, time_limit))
+        self.plain("ilp").solve(problem, _remaining(start, time_limit))
 
     def _plain_start(
         self, problem: Problem, model: OverlapIlpModel, time_limit: float | None
     ) -> np.ndarray | None:
         """The plain optimum of the reduced problem as the incumbent, where the sweep's
         plan uses a strategy the overlap presolve dropped."""
-        from torchtitan_autoparallel.planner.solvers import get_solver
-
         share = None if time_limit is None else SWEEP_SHARE * time_limit
         try:
-            sol = get_solver("ilp", self.backend).solve(problem, share)
+            sol = self.plain("ilp").solve(problem, share)
         except InfeasibleProblem:
             return None  # the overlap solve reports it
         LOG.info("%s: warm start from the plain plan (%.6g us, %s)", self.name, sol.objective, sol.status)
@@ -211,26 +204,7 @@ class OverlapSolver:
         if self.backend == "cbc":
             return CbcILPSolver(self.name, self.mip_gap)._run(model, left)
         highs = HighsILPSolver(self.name, highs_presolve=True, mip_gap=self.mip_gap)
-        if not self.relax:
-            return highs._run(model, left)
-        relaxed = _solve_relaxation(highs, model, left)
-        if relaxed.status != "optimal" or relaxed.col_value is None:
-            return highs._run_mip(model, _remaining(start, time_limit))
-        x = shared_argmax(inst.problem, model, relaxed.col_value)
-        if not _integral(model, relaxed.col_value) and not inst.problem.is_feasible(x):
-            LOG.info("%s: the rounded LP plan is infeasible; solving the MIP", self.name)
-            return highs._run_mip(model, _remaining(start, time_limit))
-        if model.start is not None and self._score(problem, inst, model.start) < self._score(problem, inst, x):
-            x = model.start  # rounding lost to the plain plan; keep the better one
-        # a rounded plan: its objective is recomputed, the LP value is its bound
-        return _Run("rounded", x, relaxed.objective, relaxed.bound)
-
-    def _score(self, problem: Problem, inst: _Instance, x: np.ndarray) -> float:
-        """The full problem's overlap objective of a plan of ``inst.problem``."""
-        if not inst.problem.is_feasible(x):
-            return math.inf
-        full = inst.expand(x)
-        return problem.energy(full) - overlap_savings(problem, self.spec, full)
+        return highs._run(model, left)
 
     def _finish(
         self, problem: Problem, inst: _Instance, x: np.ndarray, run: _Run, start: float
@@ -248,7 +222,7 @@ class OverlapSolver:
         solver_value = run.objective + inst.model.offset + inst.offset
         tol = OBJECTIVE_RTOL * max(abs(objective), 1.0)
         # for a fixed plan the solver's savings can only be at most the best ones
-        if run.status != "rounded" and objective > solver_value + tol:
+        if objective > solver_value + tol:
             raise RuntimeError(f"{self.name}: recomputed objective {objective!r} > solver's {solver_value!r}")
         bound = run.bound + inst.model.offset + inst.offset - inst.slack
         lower = min(objective, bound)
@@ -271,9 +245,7 @@ class OverlapSolver:
         if inst.model.start is not None:
             full = inst.expand(inst.model.start)
         else:
-            from torchtitan_autoparallel.planner.solvers import get_solver
-
-            full = get_solver("ilp", self.backend).solve(problem, _remaining(start, time_limit)).assignment
+                full = self.plain("ilp").solve(problem, _remaining(start, time_limit)).assignment
         objective = problem.energy(full) - overlap_savings(problem, self.spec, full)
         return Solution(full, objective, -math.inf, self.name, "time_limit", time.perf_counter() - start)
 
@@ -308,20 +280,6 @@ def _with_sweep(sol: Solution, found: Sweep | None, start: float) -> Solution:
     return replace(sol, lower_bound=lower, status=status, seconds=time.perf_counter() - start)
 
 
-def _solve_relaxation(highs: HighsILPSolver, model: OverlapIlpModel, time_limit: float | None) -> _Run:
-    import highspy
-
-    h = highs._highs(model, time_limit, integer=False)
-    h.run()
-    status = h.getModelStatus()
-    if status == highspy.HighsModelStatus.kInfeasible:
-        return _Run("infeasible")
-    if status != highspy.HighsModelStatus.kOptimal:
-        return _Run("no_solution")
-    value = h.getInfo().objective_function_value
-    return _Run("optimal", np.asarray(h.getSolution().col_value, dtype=np.float64), value, value)
-
-
 def _complete(model: OverlapIlpModel, base: np.ndarray) -> np.ndarray:
     """Full columns for fixed x and y: the overlap LP with the base columns pinned."""
     h = HighsILPSolver(highs_presolve=True)._highs(model, None, integer=False)
@@ -335,30 +293,3 @@ def _complete(model: OverlapIlpModel, base: np.ndarray) -> np.ndarray:
     values = np.asarray(h.getSolution().col_value, dtype=np.float64)
     values[: model.num_base_col] = base  # exact binaries for the warm start
     return values
-
-
-def _integral(model: OverlapIlpModel, col_value: np.ndarray) -> bool:
-    x = col_value[: model.num_x]
-    return bool(np.minimum(np.abs(x), np.abs(1.0 - x)).max(initial=0.0) <= INTEGRALITY_TOL)
-
-
-def overlap_solver(
-    name: str, backend: str, spec: OverlapSpec, presolve: bool = True, mip_gap: float | None = None
-) -> Solver:
-    """The solver for ``[autoparallel] solver = name`` when overlap is on."""
-    from torchtitan_autoparallel.planner.solvers import get_solver
-    from torchtitan_autoparallel.planner.solvers.auto import AutoSolver
-
-    if name == "brute-force":
-        LOG.warning("overlap: the brute-force solver does not model overlap; using the exact ILP")
-        return OverlapSolver(spec, backend, relax=False, presolve=presolve, mip_gap=mip_gap)
-    if name not in ("ilp", "lp", "approx", "auto"):
-        raise ValueError(f"unknown solver {name!r}; accepted: ilp, lp, approx, auto")
-    if name in ("ilp", "lp"):
-        return OverlapSolver(spec, backend, relax=name == "lp", presolve=presolve, mip_gap=mip_gap)
-    approx = SweepOverlapSolver(spec, get_solver("approx", backend, presolve),
-                                lambda problem, x: overlap_objective(problem, spec, x))
-    if name == "approx":
-        return approx
-    exact = OverlapSolver(spec, backend, presolve=presolve, mip_gap=mip_gap)
-    return AutoSolver(exact, approx, accept_gap=mip_gap or 0.0)

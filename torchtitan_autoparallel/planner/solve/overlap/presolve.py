@@ -1,9 +1,9 @@
 """The exact presolve, kept exact for the overlap objective ``energy(x) - savings(x)``.
 
-The savings of a plan (``overlap_model``) depend on two things only: the
+The savings of a plan (``overlap.model``) depend on two things only: the
 compute ``c_j(x_j)`` of every node at its step position, and the cost
 ``comm_e(x_u, x_v)`` of every overlappable edge. The presolve of
-``solvers.presolve`` stays exact for that objective when
+``presolve.pipeline`` stays exact for that objective when
 
 * tie collapsing keeps every member node and edge as its own term, priced on
   the group's columns (members share their strategy, so ``c_j`` and
@@ -14,7 +14,7 @@ compute ``c_j(x_j)`` of every node at its step position, and the cost
   strategies: it is never minimised out (leaf, chain, isolated), because the
   energy-best choice may hide less, and it drops a strategy only when another
   beats it by more than the savings the swap could lose
-  (``overlap_dominance``). Nodes whose choice moves only the energy (views,
+  (``overlap.dominance``). Nodes whose choice moves only the energy (views,
   casts, constant compute) are reduced as before: their compute is one
   constant whatever they choose;
 * a table that carries an overlappable edge is never folded into the
@@ -41,17 +41,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel
-from torchtitan_autoparallel.planner.solvers.overlap_dominance import NodeOverlap, overlap_margin
-from torchtitan_autoparallel.planner.solvers.overlap_model import OverlapSpec
-from torchtitan_autoparallel.planner.solvers.overlap_terms import (
+from torchtitan_autoparallel.planner.solve.exact.model import IlpModel
+from torchtitan_autoparallel.planner.solve.overlap.dominance import NodeOverlap, overlap_margin
+from torchtitan_autoparallel.planner.solve.overlap.model import OverlapSpec
+from torchtitan_autoparallel.planner.solve.overlap.terms import (
     ColumnIndex,
     LinearBuilder,
     OverlapTerms,
     overlappable,
 )
-from torchtitan_autoparallel.planner.solvers.presolve import Presolved, presolve
-from torchtitan_autoparallel.planner.solvers.reduce import Graph, beaten
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import Presolved, presolve
+from torchtitan_autoparallel.planner.solve.presolve.reduce import Graph, beaten
 
 
 class OverlapGraph(Graph):

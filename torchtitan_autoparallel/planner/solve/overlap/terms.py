@@ -1,6 +1,6 @@
 """What the overlap model prices, as linear expressions over an ILP's columns.
 
-The savings model (``overlap_model``) needs two kinds of numbers of a plan:
+The savings model (``overlap.model``) needs two kinds of numbers of a plan:
 
 * the compute ``c_j(x)`` of every node of the step, at the node's step position;
 * the communication ``comm_e(x)`` of every overlappable edge, anchored at its
@@ -11,7 +11,7 @@ one edge's ``y`` (exactly one of which is 1 in an integral plan), so the
 largest value an expression can take is ``const + max coeff``. Keeping them
 separate from the ILP they refer to is what lets the same savings model run on
 the full problem (``full_terms``), on a fixed plan (``fixed_terms``, all
-constants) and on the presolved problem (``overlap_presolve``).
+constants) and on the presolved problem (``overlap.presolve``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel
+from torchtitan_autoparallel.planner.solve.exact.model import IlpModel
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Dead-end elimination that stays exact for ``energy(x) - savings(x)``.
 
-A node the overlap presolve must keep (``overlap_presolve``) may still drop a
+A node the overlap presolve must keep (``overlap.presolve``) may still drop a
 strategy ``s`` when some ``t`` is at least as good for the overlap objective
 in every context. Swapping ``s`` for ``t`` changes the energy by the plain
 Goldstein difference, and can lower the savings by at most
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from torchtitan_autoparallel.planner.solvers.reduce import DOMINANCE_MAX_WORK, swap_difference
+from torchtitan_autoparallel.planner.solve.presolve.reduce import DOMINANCE_MAX_WORK, swap_difference
 
 CHUNK = 4_000_000  # elements of the (rows, k, width) difference block built at once
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import FlatProblem, InfeasibleProblem, Problem
-from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
-from torchtitan_autoparallel.planner.solvers.collapse import collapse
-from torchtitan_autoparallel.planner.solvers.reduce import Graph
+from torchtitan_autoparallel.planner.solve.base import Solution, Solver
+from torchtitan_autoparallel.planner.solve.presolve.collapse import collapse
+from torchtitan_autoparallel.planner.solve.presolve.reduce import Graph
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 ENERGY_RTOL = 1e-6  # reduced energy + offset vs the expanded plan's energy
@@ -105,7 +105,7 @@ def presolve(
     """Reduce ``problem`` exactly. ``prune_memory=False`` keeps strategies that only
     the memory budget rules out, so a solver can still name the smallest budget.
     ``make_graph`` swaps in a ``Graph`` that protects more than the energy
-    (``overlap_presolve``)."""
+    (``overlap.presolve``)."""
     start = time.perf_counter()
     collapsed = collapse(problem)
     tie_free = collapsed.problem()

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers.ilp import (
+from torchtitan_autoparallel.planner.solve.exact.ilp import (
     LOG,
     MIP_REL_GAP,
     _Heartbeat,
@@ -29,7 +29,7 @@ from torchtitan_autoparallel.planner.solvers.ilp import (
     _remaining,
     _Run,
 )
-from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel
+from torchtitan_autoparallel.planner.solve.exact.model import IlpModel
 
 CBC_OVERRUN_S = 1.0  # CBC past its limit for this long is stopped (SIGINT: it writes its plan)
 CBC_STOP_WAIT_S = 2.0  # then this long to write it before the whole process group is killed

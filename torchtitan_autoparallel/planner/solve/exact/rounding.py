@@ -1,7 +1,7 @@
 """From an LP optimum to a plan: per-node marginals, rounded and then polished.
 
-Shared by the ``lp`` solver (its plan when the LP is fractional) and the exact
-solver (an incumbent for reduced-cost fixing, ``fixing``).
+The exact solver's incumbent for reduced-cost fixing (``fixing``) when the LP
+is fractional.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers.collapse import collapse_ties
-from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel
-from torchtitan_autoparallel.planner.solvers.local_search import polish
-from torchtitan_autoparallel.planner.solvers.mrf import NoLabels, build_mrf
+from torchtitan_autoparallel.planner.solve.approx.local_search import polish
+from torchtitan_autoparallel.planner.solve.approx.mrf import NoLabels, build_mrf
+from torchtitan_autoparallel.planner.solve.exact.model import IlpModel
+from torchtitan_autoparallel.planner.solve.presolve.collapse import collapse_ties
 
 
 def marginals(problem: Problem, model: IlpModel, x_values: np.ndarray) -> np.ndarray:

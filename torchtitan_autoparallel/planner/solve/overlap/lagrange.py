@@ -34,9 +34,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers.base import Solution, Solver
-from torchtitan_autoparallel.planner.solvers.overlap_model import OverlapSpec
-from torchtitan_autoparallel.planner.solvers.overlap_terms import overlappable
+from torchtitan_autoparallel.planner.solve.base import Solution, Solver
+from torchtitan_autoparallel.planner.solve.overlap.model import OverlapSpec
+from torchtitan_autoparallel.planner.solve.overlap.terms import overlappable
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 STEPS = 7  # bisection steps: theta to within 1/128

@@ -16,19 +16,19 @@ of edges.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
+from torchtitan_autoparallel.planner.problem import sums
 from torchtitan_autoparallel.planner.problem.problem import (
     FlatProblem,
     InfeasibleProblem,
     Problem,
     ProblemArrays,
-    sums,
 )
-from torchtitan_autoparallel.planner.solvers import kernels
-from torchtitan_autoparallel.planner.solvers.ilp_model import group_components
+from torchtitan_autoparallel.planner.solve.presolve import kernels
 
 
 @dataclass
@@ -40,12 +40,6 @@ class Collapsed:
     flat: FlatProblem
     reps: np.ndarray  # each group's first node in ``source``
     group_of: np.ndarray  # each node of ``source``'s group
-
-    def node_name(self, group: int) -> str:
-        return self.source.node_names[int(self.reps[group])]
-
-    def labels(self, group: int) -> list[str]:
-        return self.source.strategy_labels[int(self.reps[group])]
 
     def problem(self) -> Problem:
         flat, reps = self.flat, self.reps.tolist()
@@ -225,3 +219,36 @@ class _Terms:
         """The terms ``at``: their tables, and whether each is turned round."""
         ident = self.ident[at]
         return ident >> 1, (ident & 1).astype(bool)
+
+
+def tie_components(num_nodes: int, ties: list[list[int]]) -> np.ndarray:
+    """Component label per node; overlapping tie groups merge (union-find)."""
+    members = np.fromiter(itertools.chain.from_iterable(ties), dtype=np.int64)
+    sizes = np.fromiter(map(len, ties), dtype=np.int64, count=len(ties))
+    return group_components(num_nodes, members, sizes, ties)
+
+
+def group_components(
+    num_nodes: int, members: np.ndarray, sizes: np.ndarray, ties: list[list[int]]
+) -> np.ndarray:
+    """``tie_components`` with the groups also given flat (``members``, group after
+    group, and each group's size), as ``Problem.arrays`` holds them."""
+    if not len(members) or np.bincount(members, minlength=num_nodes).max() == 1:
+        # disjoint groups (what the planner makes): each member's root is its
+        # group's first node, as the union-find below would find, in one pass
+        used = sizes > 0
+        comp = np.arange(num_nodes, dtype=np.int64)
+        comp[members] = np.repeat(members[(np.cumsum(sizes) - sizes)[used]], sizes[used])
+        return comp
+    parent = np.arange(num_nodes)
+
+    def root(a: int) -> int:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return int(a)
+
+    for group in ties:
+        for a in group[1:]:
+            parent[root(a)] = root(group[0])
+    return np.array([root(v) for v in range(num_nodes)], dtype=np.int64)

@@ -1,13 +1,17 @@
-"""The one interface every solver implements, and the result they all return."""
+"""The one interface every solver implements, the result they all return, and the two
+ways they fail without a plan (no time left; a memory budget below the smallest feasible one)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import Problem
+
+GIB = float(2**30)
 
 
 @dataclass
@@ -31,3 +35,16 @@ class Solver(Protocol):
     name: str
 
     def solve(self, problem: Problem, time_limit: float | None = None) -> Solution: ...
+
+
+class SolverTimeout(TimeoutError):
+    """The time limit ran out before any feasible plan was found."""
+
+
+def memory_message(budget: float, minimum: float) -> str:
+    # rounded up so that the figure quoted is itself a feasible budget
+    needed = math.ceil(minimum / GIB * 1000) / 1000
+    return (
+        f"memory budget {budget / GIB:.3f} GiB per device is below the smallest feasible "
+        f"budget {needed:.3f} GiB ({math.ceil(minimum)} bytes)"
+    )

@@ -31,8 +31,8 @@ from typing import NoReturn
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
-from torchtitan_autoparallel.planner.solvers import kernels
-from torchtitan_autoparallel.planner.solvers.ilp_model import memory_message
+from torchtitan_autoparallel.planner.solve.base import memory_message
+from torchtitan_autoparallel.planner.solve.presolve import kernels
 
 BUDGET_RTOL = 1e-6  # the slack Problem.is_feasible grants the budget
 SEPARABLE_RTOL = 1e-12  # a table this close to a + b is folded (rounding only)
@@ -159,7 +159,7 @@ class Graph:
             return False
         return True
 
-    # --- hooks: what else a node's choice prices (``overlap_presolve``) -------
+    # --- hooks: what else a node's choice prices (``overlap.presolve``) -------
 
     def _energy_only(self, v: int) -> bool:
         """Whether ``v``'s choice matters to nothing but the energy (and memory), so that

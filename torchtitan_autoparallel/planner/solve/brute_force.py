@@ -13,8 +13,8 @@ import time
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
-from torchtitan_autoparallel.planner.solvers.base import Solution
-from torchtitan_autoparallel.planner.solvers.ilp_model import memory_message, tie_components
+from torchtitan_autoparallel.planner.solve.base import Solution, memory_message
+from torchtitan_autoparallel.planner.solve.presolve.collapse import tie_components
 
 MAX_COMBINATIONS = 1_000_000
 CHUNK = 65_536

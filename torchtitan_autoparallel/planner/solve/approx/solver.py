@@ -20,9 +20,11 @@
    certificate, and the search stops once the best plan is within ``gap`` of
    it, as the unpriced search does.
 
-The result never breaks the budget: if no plan fits, an exact search (the ILP
-of ``ilp_model``) either finds one or raises ``InfeasibleProblem`` naming the
-smallest feasible budget, as the ILP solver does.
+The result never breaks the budget: if no plan fits, the ``exact`` solver it
+was given (the registry gives it the ILP) either finds one or raises
+``InfeasibleProblem`` naming the smallest feasible budget; without one it
+raises ``SolverTimeout``. The exact solvers ask this one for quick plans, so it
+is handed its exact fallback rather than importing it.
 """
 
 from __future__ import annotations
@@ -36,13 +38,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import FlatProblem, InfeasibleProblem, Problem
-from torchtitan_autoparallel.planner.solvers.base import Solution
-from torchtitan_autoparallel.planner.solvers.collapse import collapse
-from torchtitan_autoparallel.planner.solvers.ilp import HighsILPSolver, SolverTimeout
-from torchtitan_autoparallel.planner.solvers.local_search import polish
-from torchtitan_autoparallel.planner.solvers.mrf import Mrf, NoLabels, build_mrf
-from torchtitan_autoparallel.planner.solvers.presolve import PresolvingSolver, presolve
-from torchtitan_autoparallel.planner.solvers.trws import GAP_RTOL, OPTIMAL_RTOL, Trws, within_gap
+from torchtitan_autoparallel.planner.solve.approx.local_search import polish
+from torchtitan_autoparallel.planner.solve.approx.mrf import Mrf, NoLabels, build_mrf
+from torchtitan_autoparallel.planner.solve.approx.trws import GAP_RTOL, OPTIMAL_RTOL, Trws, within_gap
+from torchtitan_autoparallel.planner.solve.base import Solution, Solver, SolverTimeout
+from torchtitan_autoparallel.planner.solve.presolve.collapse import collapse
+from torchtitan_autoparallel.planner.solve.presolve.pipeline import presolve
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 LAMBDA_STEPS = 12  # bisection steps on the memory price
@@ -70,13 +71,13 @@ class ApproxSolver:
         self,
         name: str = "approx-trws",
         full_presolve: bool = True,
-        exact_fallback: bool = True,
+        exact: Solver | None = None,
         gap: float = GAP_RTOL,
     ) -> None:
         self.name = name
         self.gap = gap  # stop once the plan is proven this close (relative) to the optimum
         self.full_presolve = full_presolve  # False: ties collapse, nothing more
-        self.exact_fallback = exact_fallback  # False when the exact solver is the one asking
+        self.exact = exact  # asked when no plan fits (None: raise SolverTimeout)
 
     def solve(self, problem: Problem, time_limit: float | None = None) -> Solution:
         start = time.perf_counter()
@@ -121,11 +122,11 @@ class ApproxSolver:
     ) -> Solution:
         """The ILP settles what local methods could not: infeasible (naming the
         smallest budget) or a plan after all."""
-        if not self.exact_fallback:
+        if self.exact is None:
             raise SolverTimeout(f"no feasible plan found in time (approximate solver: {why})")
         LOG.warning("%s: %s; asking the exact ILP", self.name, why)
         left = None if time_limit is None else max(time_limit - (time.perf_counter() - start), 1.0)
-        sol = PresolvingSolver(HighsILPSolver(highs_presolve=False)).solve(problem, left)
+        sol = self.exact.solve(problem, left)
         seconds = time.perf_counter() - start
         return Solution(
             sol.assignment, sol.objective, sol.lower_bound, self.name, sol.status, seconds

@@ -22,7 +22,7 @@ import numpy as np
 from torchtitan_autoparallel import jit
 from torchtitan_autoparallel.planner.problem import sums
 from torchtitan_autoparallel.planner.problem.problem import FlatProblem, Problem, ProblemArrays
-from torchtitan_autoparallel.planner.solvers import kernels
+from torchtitan_autoparallel.planner.solve.approx import kernels
 
 _jit = jit.jit
 _inline = jit.inline

@@ -19,20 +19,14 @@ into ``offset`` and add no column.
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
-
-if TYPE_CHECKING:
-    from torchtitan_autoparallel.planner.solvers.base import Solution
-
-GIB = float(2**30)
+from torchtitan_autoparallel.planner.solve.base import GIB, Solution, memory_message
+from torchtitan_autoparallel.planner.solve.presolve.collapse import tie_components
 
 
 @dataclass
@@ -155,48 +149,6 @@ def _padded(parts: list[np.ndarray], k: np.ndarray, fill: float) -> np.ndarray:
         cols = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
         out[rows, cols] = np.concatenate(parts).astype(np.float64)
     return out
-
-
-def memory_message(budget: float, minimum: float) -> str:
-    # rounded up so that the figure quoted is itself a feasible budget
-    needed = math.ceil(minimum / GIB * 1000) / 1000
-    return (
-        f"memory budget {budget / GIB:.3f} GiB per device is below the smallest feasible "
-        f"budget {needed:.3f} GiB ({math.ceil(minimum)} bytes)"
-    )
-
-
-def tie_components(num_nodes: int, ties: list[list[int]]) -> np.ndarray:
-    """Component label per node; overlapping tie groups merge (union-find)."""
-    members = np.fromiter(itertools.chain.from_iterable(ties), dtype=np.int64)
-    sizes = np.fromiter(map(len, ties), dtype=np.int64, count=len(ties))
-    return group_components(num_nodes, members, sizes, ties)
-
-
-def group_components(
-    num_nodes: int, members: np.ndarray, sizes: np.ndarray, ties: list[list[int]]
-) -> np.ndarray:
-    """``tie_components`` with the groups also given flat (``members``, group after
-    group, and each group's size), as ``Problem.arrays`` holds them."""
-    if not len(members) or np.bincount(members, minlength=num_nodes).max() == 1:
-        # disjoint groups (what the planner makes): each member's root is its
-        # group's first node, as the union-find below would find, in one pass
-        used = sizes > 0
-        comp = np.arange(num_nodes, dtype=np.int64)
-        comp[members] = np.repeat(members[(np.cumsum(sizes) - sizes)[used]], sizes[used])
-        return comp
-    parent = np.arange(num_nodes)
-
-    def root(a: int) -> int:
-        while parent[a] != a:
-            parent[a] = parent[parent[a]]
-            a = parent[a]
-        return int(a)
-
-    for group in ties:
-        for a in group[1:]:
-            parent[root(a)] = root(group[0])
-    return np.array([root(v) for v in range(num_nodes)], dtype=np.int64)
 
 
 def allowed_strategies(problem: Problem, unary: np.ndarray) -> np.ndarray:

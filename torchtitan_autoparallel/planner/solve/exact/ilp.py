@@ -1,4 +1,4 @@
-"""Exact solvers: the local-polytope ILP of ``ilp_model`` solved by HiGHS or CBC.
+"""Exact solvers: the local-polytope ILP of ``exact.model`` solved by HiGHS or CBC.
 
 Both backends share the model, the result checks and the infeasibility
 diagnosis (``_IlpSolver``); they differ only in how the arrays reach the
@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
-from torchtitan_autoparallel.planner.solvers.base import Solution
-from torchtitan_autoparallel.planner.solvers.fixing import (
+from torchtitan_autoparallel.planner.solve.approx.solver import ApproxSolver
+from torchtitan_autoparallel.planner.solve.base import Solution, memory_message
+from torchtitan_autoparallel.planner.solve.exact.fixing import (
     Relaxation,
     approximate,
     best_known_plan,
@@ -27,10 +28,9 @@ from torchtitan_autoparallel.planner.solvers.fixing import (
     fixed_columns,
     log_fixing,
 )
-from torchtitan_autoparallel.planner.solvers.ilp_model import (
+from torchtitan_autoparallel.planner.solve.exact.model import (
     IlpModel,
     build_ilp,
-    memory_message,
 )
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
@@ -42,10 +42,6 @@ INTEGRALITY_TOL = 1e-6  # HiGHS' own default mip_feasibility_tolerance
 LP_SHARE = 0.7  # of the limit, for the LP relaxation before the MIP
 FALLBACK_SHARE = 0.1  # of the time limit, granted on top to the approximate fallback
 QUICK_SHARE = 0.1  # of the time limit, for the approximate plan tried first under a mip_gap
-
-
-class SolverTimeout(TimeoutError):
-    """The time limit ran out before any feasible plan was found."""
 
 
 @dataclass
@@ -145,14 +141,11 @@ class _IlpSolver:
 
     def _approximate(self, problem: Problem, start: float, time_limit: float | None) -> Solution:
         """No plan in time: the approximate solver's plan (with its own bound) beats none."""
-        # imported here: the approximate solver asks this module when it fails
-        from torchtitan_autoparallel.planner.solvers.approx import ApproxSolver
-
         LOG.warning(
             "%s: no feasible plan within %s s; taking the approximate solver's", self.name, time_limit
         )
         grace = max(FALLBACK_SHARE * (time_limit or 0.0), 1.0)
-        sol = ApproxSolver(exact_fallback=False).solve(problem, grace)
+        sol = ApproxSolver().solve(problem, grace)
         status = "optimal" if sol.status == "optimal" else "time_limit"
         seconds = time.perf_counter() - start
         return Solution(sol.assignment, sol.objective, sol.lower_bound, self.name, status, seconds)
@@ -253,7 +246,7 @@ class HighsILPSolver(_IlpSolver):
         self.name = name
         self.threads = threads
         self.mip_gap = mip_gap
-        # off when the model comes out of solvers.presolve: HiGHS' presolve then
+        # off when the model comes out of the exact presolve: HiGHS' presolve then
         # finds little and can cost more than the solve itself
         self.highs_presolve = highs_presolve
 

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel.planner.problem.problem import Problem
-from torchtitan_autoparallel.planner.solvers.base import Solution
-from torchtitan_autoparallel.planner.solvers.ilp_model import IlpModel
-from torchtitan_autoparallel.planner.solvers.rounding import marginals, round_and_polish
+from torchtitan_autoparallel.planner.solve.approx.solver import ApproxSolver
+from torchtitan_autoparallel.planner.solve.base import Solution, SolverTimeout
+from torchtitan_autoparallel.planner.solve.exact.model import IlpModel
+from torchtitan_autoparallel.planner.solve.exact.rounding import marginals, round_and_polish
 
 LOG = logging.getLogger("torchtitan_autoparallel.planner")
 FIX_RTOL = 1e-7  # a column goes only if its bound beats U by this much (HiGHS' dual tolerance)
@@ -82,13 +83,9 @@ def cheapest(problem: Problem, plans: list[np.ndarray | None]) -> np.ndarray | N
 
 
 def approximate(problem: Problem, time_limit: float | None) -> Solution | None:
-    """The approximate solver's result, without its exact fallback; None if it found no plan."""
-    # imported here: the approximate solver imports the exact one for its own fallback
-    from torchtitan_autoparallel.planner.solvers.approx import ApproxSolver
-    from torchtitan_autoparallel.planner.solvers.ilp import SolverTimeout
-
+    """The approximate solver's result (it has no exact fallback of its own); None if it found no plan."""
     try:
-        return ApproxSolver(exact_fallback=False).solve(problem, time_limit)
+        return ApproxSolver().solve(problem, time_limit)
     except SolverTimeout:
         return None
 

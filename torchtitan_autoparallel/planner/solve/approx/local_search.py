@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_autoparallel import jit
-from torchtitan_autoparallel.planner.solvers import kernels
-from torchtitan_autoparallel.planner.solvers.mrf import Mrf
+from torchtitan_autoparallel.planner.solve.approx import kernels
+from torchtitan_autoparallel.planner.solve.approx.mrf import Mrf
 
 GAIN_RTOL = 1e-12  # a move must gain more than this (relative) to count
 SKIP_SETTLED = True  # star rounds skip centres whose answer cannot have changed
@@ -143,12 +143,6 @@ def stars(state: LocalState, lam: float = 0.0, depth: int = 1, centres=None) -> 
         state._m, float(lam), depth, nodes, remember, remember and SKIP_SETTLED,
         *state.mrf.reach, GAIN_RTOL,
     )
-
-
-def _tree_move(state: LocalState, root: int, depth: int, lam: float) -> bool:
-    """Relabel a tree block around ``root`` optimally (everything else fixed), if that
-    lowers the energy and the plan still fits."""
-    return _tree_step(state._m, root, depth, lam, GAIN_RTOL)
 
 
 # --- compiled moves ------------------------------------------------------------------
