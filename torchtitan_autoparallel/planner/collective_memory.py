@@ -106,7 +106,7 @@ def executed_collectives(
             out.spans.extend(_gather_spans(bucket, position, gloo))
             out.buckets.append(bucket)
         else:
-            _scatter(bucket, out, gloo, last=len(order) - 1)
+            _scatter(bucket, out, gloo, len(order) - 1, position)
             out.buckets.append(bucket)
     for c in alone:
         at = min(c.at, len(order) - 1)
@@ -223,7 +223,9 @@ def _gather_spans(bucket: list[PlannedCollective], position: dict[fx.Node, int],
     return [s for s in spans if s.first <= s.last]
 
 
-def _scatter(bucket: list[PlannedCollective], out: ExecutedCollectives, gloo: bool, last: int) -> None:
+def _scatter(
+    bucket: list[PlannedCollective], out: ExecutedCollectives, gloo: bool, last: int, position: dict[fx.Node, int]
+) -> None:
     issue = min(max(c.start for c in bucket), last)
     wait = min(min(c.end for c in bucket), last)
     full = sum(c.nbytes for c in bucket)
@@ -233,6 +235,21 @@ def _scatter(bucket: list[PlannedCollective], out: ExecutedCollectives, gloo: bo
         out.spans.append(Span(issue, issue, scratch, COLLECTIVE))
     for c in bucket:
         out.held_until[c.part.producer] = max(out.held_until.get(c.part.producer, 0), issue)
+    # The members' results are views of one output buffer: it lives as long as the
+    # longest-lived of them (a parameter gradient's: to the step's end).
+    used = [last if c.part.arg_index == GRAD_EDGE else _last_use(c.part.consumer, position, last) for c in bucket]
+    for c, until in zip(bucket, used):
+        if until < max(used):
+            out.spans.append(Span(until + 1, max(used), c.local_bytes, COLLECTIVE))
+
+
+def _last_use(consumer: fx.Node, position: dict[fx.Node, int], last: int) -> int:
+    """Where a redistributed input is last read: at its consumer, or through a view
+    consumer by that view's last user."""
+    if not _is_alias(consumer):
+        return position[consumer]
+    users = [u for u in consumer.users if u.op != "output"]
+    return max((_last_use(u, position, last) for u in users), default=last)
 
 
 def bucket_bytes(buckets: list[list[PlannedCollective]]) -> list[tuple[str, float, float]]:
