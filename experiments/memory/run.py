@@ -4,9 +4,11 @@
 Each case launches ``run_train.sh`` as a user would, with
 ``--metrics.tensor_memory_step`` measuring one steady step on every rank
 (``train/tensor_memory.py``: the CPU tensor storages live at the step's start
-plus the running maximum of the allocator's traffic during it). Predicted is
-plan.json's whole peak (``report.common.predicted_peak_bytes``: parameters and
-AdamW state plus the step's peak of activations and gradients). Measured is the
+plus the running maximum of the allocator's traffic during it, replayed by
+address). Predicted is plan.json's whole peak
+(``report.common.predicted_peak_bytes``: parameters and AdamW state plus the
+step's peak of activations, gradients and the executed collectives' buffers,
+``peak_parts``). Measured is the
 largest rank's peak. ``start`` is the largest rank's tensor memory at the
 step's start (parameters, gradients kept from the step before, optimizer
 state, buffers such as RoPE's table), the part the prediction calls state.

@@ -8,22 +8,32 @@ its own scratch (``buckets.backend_scratch_bytes``). What that costs, as
 spans of graph positions holding bytes:
 
 * a merged all-gather is waited for before its first member's first use
-  (position ``w``): from there the packed input (the members' shards,
-  concatenated), the gathered buffer and the backend's scratch are live at
-  ``w``, and each member's own gathered copy lives from ``w`` on, instead of
-  from the op that reads it (a parameter's: a weight copy);
+  (position ``w``): there the packed input (the members' shards,
+  concatenated), the gathered buffer and the backend's scratch are live, and
+  each member's own gathered copy lives from ``w`` on, instead of from the
+  op that reads it (a parameter's: a weight copy);
 * a merged reduce-scatter is issued once its last member's input exists: the
   members' unreduced inputs live until then, and its packed input (full
   size) until its wait, before the first use of a result (the step's end,
-  for parameter gradients); the backend's scratch is live at the issue;
+  for parameter gradients); the backend's scratch is live right after the
+  issue, once packing has freed the inputs; its
+  results are views of one output buffer, live while any of them is;
 * one left alone costs its scratch where it runs; the gradient of a
   parameter is reduced after the step's last op, so its unreduced value lives
   until its reduction is issued.
 
 In the traced order a collective runs where its consumer does (a parameter
 gradient's at the step's end, in parameter order), as in the graph the
-executor records. Collectives after the first of a redistribution read that
-first one's result and stay alone, as the executor leaves them.
+executor records. Its window, as the executor computes it: collectives after
+the first of a redistribution read that first one's result and stay alone;
+one along another tensor dim than the first needs its result at once (an
+all-gather's) or makes its input right there (a reduce-scatter's); and the
+executor's copies back into a traced memory layout (``execute/layout.py``)
+are mutations no window crosses.
+
+Not modelled: the overlap scheduler issues an all-gather bucket up to
+``buckets.IN_FLIGHT`` collectives early, which moves its buffers before its
+wait; the prediction places them at the wait.
 """
 
 from __future__ import annotations
@@ -147,12 +157,15 @@ def planned_collectives(
             # Along another dim than the first, DTensor gathers into a new buffer and cuts it
             # back into place (a cat: a use at once), and splits a reduce-scatter's input
             # and concatenates it (a cat: an input made right there).
+            # A redistribution of several steps (a tensor sharded over two mesh dims) is
+            # DTensor's own sequence: it reshapes its input there and reads each result at once.
             inner = _shard_dim(src if step.kind == "all_gather" else dst, step.mesh_dim) not in (0, None)
+            chained = len(steps) > 1
             c = PlannedCollective(
                 kind=step.kind,
                 key=(step.kind, step.mesh_dim, step.group_size, part.dtype),
-                start=at - 1 if inner and step.kind == "reduce_scatter" else start,
-                end=at if inner and step.kind == "all_gather" else end,
+                start=at - 1 if chained or (inner and step.kind == "reduce_scatter") else start,
+                end=at if chained or (inner and step.kind == "all_gather") else end,
                 nbytes=float(step.bytes),
                 local_bytes=float(step.bytes) / step.group_size,
                 order=(at, param_order.get(part.consumer, 0) if grad else part.arg_index, k),
@@ -230,9 +243,12 @@ def _scatter(
     wait = min(min(c.end for c in bucket), last)
     full = sum(c.nbytes for c in bucket)
     out.spans.append(Span(issue, wait, full, COLLECTIVE))
+    # Packing frees the members' inputs before the backend copies the packed buffer:
+    # its scratch comes one position later. At the step's last position the inputs,
+    # as large as that scratch, stand for it.
     scratch = backend_scratch_bytes("reduce_scatter", full, gloo)
-    if scratch:
-        out.spans.append(Span(issue, issue, scratch, COLLECTIVE))
+    if scratch and issue < last:
+        out.spans.append(Span(issue + 1, issue + 1, scratch, COLLECTIVE))
     for c in bucket:
         out.held_until[c.part.producer] = max(out.held_until.get(c.part.producer, 0), issue)
     # The members' results are views of one output buffer: it lives as long as the
