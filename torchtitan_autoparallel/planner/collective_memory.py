@@ -33,7 +33,13 @@ are mutations no window crosses.
 
 Not modelled: the overlap scheduler issues an all-gather bucket up to
 ``buckets.IN_FLIGHT`` collectives early, which moves its buffers before its
-wait; the prediction places them at the wait.
+wait; the prediction places them at the wait. And the collectives are the
+cost model's path (``redistribute_steps``), where the executor runs
+``DTensor.redistribute``'s: the same on a 1-D mesh (the buckets predicted for
+an FSDP plan are the executed ones, ``tests/test_collective_memory.py``), but
+on a 2-D mesh DTensor may take other steps, and the buckets differ (the
+2-layer parity model over dp_shard 2 x tp 2: 1 bucket predicted for 4
+executed without recomputation, 7 for 10 with full recomputation).
 """
 
 from __future__ import annotations
