@@ -4,18 +4,21 @@
 Each case launches ``run_train.sh`` as a user would, with
 ``--metrics.tensor_memory_step`` measuring one steady step on every rank
 (``train/tensor_memory.py``: the CPU tensor storages live at the step's start
-plus the running maximum of the allocator's traffic during it). Predicted is
-plan.json's whole peak (``report.common.predicted_peak_bytes``: parameters and
-AdamW state plus the step's peak of activations and gradients). Measured is the
+plus the running maximum of the allocator's traffic during it, replayed by
+address). Predicted is plan.json's whole peak
+(``report.common.predicted_peak_bytes``: parameters and AdamW state plus the
+step's peak of activations, gradients and the executed collectives' buffers,
+``peak_parts``). Measured is the
 largest rank's peak. ``start`` is the largest rank's tensor memory at the
 step's start (parameters, gradients kept from the step before, optimizer
 state, buffers such as RoPE's table), the part the prediction calls state.
 
-    .venv/bin/python experiments/memory/run.py [--only llama3] [--steps 3] [--ac none,full]
+    .venv/bin/python experiments/memory/run.py [--only llama3] [--ranks 2] [--mesh FSDP,TP] [--ac none,full]
 
 Writes ``results.json`` (``{"rows": [{"case", "mesh_kind", "ranks", "ac",
 "predicted_peak_bytes", "measured_peak_bytes", ...}]}``) and ``results.md``
-beside this file.
+beside this file. A filtered run replaces the rows it ran (same case, mesh,
+ranks and ac) and keeps the others.
 """
 
 from __future__ import annotations
@@ -84,6 +87,18 @@ def run_case(model: str, ranks: int, kind: str, ac: str, steps: int, timeout: fl
     }
 
 
+def _key(row: dict) -> tuple:
+    return row["case"], row["mesh_kind"], row["ranks"], row["ac"]
+
+
+def merged(rows: list[dict], row: dict) -> list[dict]:
+    """``rows`` with ``row`` in place of the one of its key, in the table's order
+    (model, ranks, ac, mesh as ``CASES`` and ``MESHES`` list them)."""
+    out = [r for r in rows if _key(r) != _key(row)] + [row]
+    kinds = list(MESHES)
+    return sorted(out, key=lambda r: (r["case"], r["ranks"], r["ac"] != "none", r["ac"], kinds.index(r["mesh_kind"])))
+
+
 def markdown(rows: list[dict]) -> str:
     out = ["| case | mesh | ranks | ac | predicted MiB | measured MiB | measured / predicted | "
            "state predicted MiB | start measured MiB |", "|" + " --- |" * 9]
@@ -103,16 +118,21 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3, help="steps per run; the last one is measured")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--ac", default="none,full", help="activation_checkpoint.mode values to run, comma-separated")
+    p.add_argument("--ranks", help="run only these rank counts, comma-separated")
+    p.add_argument("--mesh", help="run only these mesh kinds (DDP, FSDP, TP, FSDPxTP), comma-separated")
     a = p.parse_args()
-    rows = []
+    results = HERE / "results.json"
+    rows = json.loads(results.read_text())["rows"] if results.exists() else []
     for (model, ranks, kinds), ac in itertools.product(CASES, a.ac.split(",")):
-        if a.only and a.only != model:
+        if (a.only and a.only != model) or (a.ranks and str(ranks) not in a.ranks.split(",")):
             continue
         for kind in kinds:
+            if a.mesh and kind not in a.mesh.split(","):
+                continue
             row = run_case(model, ranks, kind, ac, a.steps, a.timeout)
-            rows.append(row)
+            rows = merged(rows, row)
             print(json.dumps(row), flush=True)
-            (HERE / "results.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+            results.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     (HERE / "results.md").write_text(markdown(rows))
     print(markdown(rows), end="")
     return 0

@@ -117,7 +117,8 @@ def fsdp_plan(model) -> Plan:
 def test_the_whole_peak_is_listed_by_part(fsdp_plan, model):
     parts = fsdp_plan.peak_parts
     assert set(parts) == {
-        "parameters", "optimizer_state", "gradients", "activations", "weight_copies", "redistribution_buffers"
+        "parameters", "optimizer_state", "gradients", "activations", "weight_copies", "redistribution_buffers",
+        "collective_buffers",
     }
     assert fsdp_plan.predicted["peak_bytes_per_device"] == pytest.approx(sum(parts.values()))
     assert parts["parameters"] == pytest.approx(fsdp_plan.param_bytes_per_device)

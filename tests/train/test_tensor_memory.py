@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from torchtitan_autoparallel.train.tensor_memory import TensorMemoryProbe, live_tensor_bytes
+from torchtitan_autoparallel.train.tensor_memory import TensorMemoryProbe, live_tensor_bytes, replay_allocations
 
 MB = 10**6
 
@@ -54,3 +54,13 @@ def test_a_gpu_rank_or_step_zero_measures_nothing(tmp_path) -> None:
         gpu_like.step(1)
     assert probe.result is None and gpu_like.result is None
     assert not list(tmp_path.iterdir())
+
+
+def test_a_free_the_profiler_missed_ends_when_its_address_is_handed_out_again() -> None:
+    """A collective's buffer freed on gloo's worker thread has no free event; the allocator
+    then reuses its address, which the replay takes as that buffer's end."""
+    events = [(0xA, 100), (0xB, 50), (0xA, 30), (0xB, -50), (0xC, 10)]
+    # The profiler's own total would read 100, 150, 180, 130, 140: 0xA's first 100 kept.
+    assert replay_allocations(events) == [100, 150, 80, 30, 40]
+    # A free of a storage made before the span was never counted: nothing to take off.
+    assert replay_allocations([(0xD, -64), (0xE, 8)]) == [0, 8]

@@ -31,6 +31,8 @@ the same merges, since gloo and NCCL match collectives by issue order):
   members still overlap and the bucket's full-size buffer stays within
   ``bucket_bytes``; otherwise that bucket closes and the candidate opens the
   next. So a bucket is a run, in issue order, of collectives of one key.
+  The rule and the cap live in ``planner/plan/buckets.py``: the planner's memory
+  prediction groups the planned collectives with them.
 - The merged wait and unpacking go right before the earliest window end. A
   merged reduce-scatter (and its concatenation) is issued right after the
   latest window start; a merged all-gather right before its wait, since its
@@ -59,6 +61,7 @@ import torch.distributed as dist
 from torch import fx
 
 from torchtitan_autoparallel.execute.overlap import is_collective, is_mutating, is_wait
+from torchtitan_autoparallel.planner.plan.buckets import BUCKET_BYTES, group_buckets
 
 _aten = torch.ops.aten
 _functional = torch.ops._c10d_functional
@@ -101,10 +104,6 @@ class _Member:
 class _Bucket:
     members: list[_Member] = field(default_factory=list)
 
-    def admits(self, m: _Member, cap: int) -> bool:
-        nbytes = sum(x.nbytes for x in self.members) + m.nbytes
-        return nbytes <= cap and max(self.start, m.start) < min(self.end, m.end)
-
     @property
     def start(self) -> int:
         return max(m.start for m in self.members)
@@ -114,7 +113,7 @@ class _Bucket:
         return min(m.end for m in self.members)
 
 
-def bucket_collectives(gm: fx.GraphModule, bucket_bytes: int = 32 * 2**20) -> BucketStats:
+def bucket_collectives(gm: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES) -> BucketStats:
     """Merge ``gm``'s collectives in place as the module docstring says; return the counts."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -151,21 +150,11 @@ def check_same_buckets(stats: BucketStats, group: dist.ProcessGroup | None = Non
 
 
 def _plan(nodes: list[fx.Node], index: dict[fx.Node, int], cap: int) -> list[_Bucket]:
+    """The buckets, by the planner's rule (``planner/plan/buckets.py``), which its memory
+    prediction walks too."""
     mutations = [i for i, n in enumerate(nodes) if is_mutating(n)]
-    open_: dict[tuple, _Bucket] = {}
-    closed: list[_Bucket] = []
-    for node in nodes:
-        m = _member(node, index, mutations)
-        if m is None:
-            continue
-        bucket = open_.get(m.key)
-        if bucket is not None and bucket.admits(m, cap):
-            bucket.members.append(m)
-            continue
-        if bucket is not None:
-            closed.append(bucket)
-        open_[m.key] = _Bucket([m])
-    return closed + list(open_.values())
+    members = (m for m in (_member(node, index, mutations) for node in nodes) if m is not None)
+    return [_Bucket(b) for b in group_buckets(members, cap)]
 
 
 def _member(node: fx.Node, index: dict[fx.Node, int], mutations: list[int]) -> _Member | None:

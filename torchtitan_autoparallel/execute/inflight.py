@@ -33,7 +33,8 @@ ways (``MODE_ENV``):
 
 In ``chained`` and ``blocking``, a collective that is the step's last, or whose wait comes
 after the next collective in the graph, is always made blocking, so one
-stays the most in flight. ``async`` leaves Inductor's own schedule on
+stays the most in flight: ``planner/buckets.IN_FLIGHT``, the bound the
+memory prediction assumes (checked at import). ``async`` leaves Inductor's own schedule on
 torch's two-thread groups (to check a newer torch).
 """
 
@@ -47,6 +48,7 @@ from torch import fx
 
 from torchtitan_autoparallel.errors import ConfigError
 from torchtitan_autoparallel.execute.overlap import is_collective, is_wait
+from torchtitan_autoparallel.planner.plan.buckets import IN_FLIGHT
 
 _c10d = torch.ops._c10d_functional
 
@@ -56,6 +58,10 @@ _ARGS = {
     "reduce_scatter_tensor": ("reduce_op", "group_size", "group_name"),
     "all_reduce": ("reduce_op", "group_name"),
 }
+
+# The rewrite below keeps exactly one collective in flight; the planner's policy must agree.
+if IN_FLIGHT != 1:
+    raise ImportError(f"execute/inflight.py keeps one collective in flight, planner/buckets.IN_FLIGHT is {IN_FLIGHT}")
 
 MODE_ENV = "AUTOPARALLEL_GLOO_COLLECTIVES"
 MODES = ("chained", "queued", "blocking", "async")

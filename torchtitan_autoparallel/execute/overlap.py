@@ -14,8 +14,9 @@ graphs call the same collectives in the same order, schedules alike):
 - Compute nodes keep their relative order; only collectives and waits move.
 - Collectives keep their relative issue order, and waits theirs: gloo and NCCL
   match collectives across ranks by issue order, so this must not change.
-- At most ``prefetch`` collectives are in flight at once: collective ``i`` is
-  issued no earlier than the wait of collective ``i - prefetch``. With 1, the
+- At most ``prefetch`` collectives are in flight at once (by default
+  ``planner/buckets.IN_FLIGHT``, which the memory prediction reads too):
+  collective ``i`` is issued no earlier than the wait of collective ``i - prefetch``. With 1, the
   all-gather of layer k+1's weight runs while layer k computes, never all
   layers' at once; this bounds the memory of buffers in flight.
 - No collective is issued later, and no wait runs earlier, than in the traced
@@ -34,6 +35,8 @@ import operator
 from dataclasses import dataclass
 
 from torch import fx
+
+from torchtitan_autoparallel.planner.plan.buckets import IN_FLIGHT
 
 _NAMESPACES = ("_c10d_functional.", "c10d_functional.")
 
@@ -72,7 +75,7 @@ def is_mutating(node: fx.Node) -> bool:
     return node.op == "call_function" and schema is not None and schema.is_mutable
 
 
-def schedule_overlap(gm: fx.GraphModule, prefetch: int = 1) -> OverlapStats:
+def schedule_overlap(gm: fx.GraphModule, prefetch: int = IN_FLIGHT) -> OverlapStats:
     """Reorder ``gm`` in place as the module docstring says; return what moved."""
     if prefetch < 1:
         raise ValueError(f"prefetch must be >= 1 (collectives in flight at once), got {prefetch}")

@@ -10,12 +10,25 @@ tensors only, as the plan predicts them:
   their DTensor shards, gradients, optimizer state, the batch, graph
   constants), each storage once;
 * during the step, every allocation and free made through torch's CPU
-  allocator on the training thread, from the profiler's memory events
-  (``profile_memory``): the running total's maximum is the step's peak above
-  that start. Frees of storages made before the step are not reported by the
-  profiler, so the peak counts them as still live: an upper bound by those
-  bytes, which the log line names (a gradient of the previous step still held
-  at the start, for instance).
+  allocator, from the profiler's memory events (``profile_memory``): the
+  running total of what the step allocated and has not freed, replayed by
+  address, has its maximum at the step's peak above that start. Frees of
+  storages made before the step are not reported by the profiler, so the
+  peak counts them as still live: an upper bound by those bytes, which the
+  log line names (a gradient of the previous step still held at the start,
+  for instance).
+
+The replay does not use the profiler's own running total: that total drops
+a buffer only when the free is seen on a thread the profiler records, and a
+collective's buffers are often freed on gloo's worker thread (its work
+object holds the input and output until the worker lets go of it, after the
+training thread's wait), outside any recorded op. Such a free is missing
+from the events, and the profiler's total kept the buffer for the rest of
+the step: which rank lost the race decided whether a 21 MiB packed gradient
+bucket counted once or twice. The allocator cannot hand out an address that
+is still live, so a new allocation at a recorded address ends the buffer
+recorded there; a buffer whose free is missing and whose address is not
+reused still counts to the step's end (an upper bound).
 
 The profiler slows the measured step, so the probe runs on one step, and the
 plan check's timings of that step are not comparable with the others.
@@ -26,6 +39,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -68,15 +82,32 @@ def live_tensor_bytes() -> int:
 
 
 def _allocation_totals(prof: profile) -> list[int]:
-    """The profiler's running total after each recorded allocation or free, in order."""
-    found = []
+    """Bytes allocated in the profiled span and not yet freed, after each recorded
+    allocation or free, in order (replayed by address: see the module docstring)."""
+    events = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            found.append((node.start_time_ns, node.extra_fields.total_allocated))
+            f = node.extra_fields
+            events.append((node.start_time_ns, f.ptr, f.alloc_size))
         stack.extend(node.children)
-    return [total for _, total in sorted(found)]
+    return replay_allocations(ptr_size for _, *ptr_size in sorted(events))
+
+
+def replay_allocations(events: Iterable[tuple[int, int]]) -> list[int]:
+    """The running total of live bytes after each ``(address, size)`` event (size < 0: a
+    free). An allocation at a live address ends the buffer there (its free was not seen);
+    a free of an address not allocated in the span (made before it) is ignored."""
+    live: dict[int, int] = {}
+    total, totals = 0, []
+    for ptr, size in events:
+        total -= live.pop(ptr, 0)
+        if size > 0:
+            live[ptr] = size
+            total += size
+        totals.append(total)
+    return totals
 
 
 class TensorMemoryProbe:

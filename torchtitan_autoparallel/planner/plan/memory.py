@@ -31,10 +31,17 @@ import math
 import operator
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import fx
 
+from torchtitan_autoparallel.planner.plan.collective_memory import (
+    COLLECTIVE,
+    WEIGHT,
+    Span,
+    bucket_bytes,
+    executed_collectives,
+)
 from torchtitan_autoparallel.planner.problem.build import GRAD_EDGE, EdgeInfo
 from torchtitan_autoparallel.planner.strategies.placement import label, local_shape
 from torchtitan_autoparallel.planner.strategies.rules import VIEW_OPS
@@ -85,12 +92,19 @@ class Peak:
     weight_copy_bytes: float = 0.0
     gradient_bytes: float = 0.0  # of ``bytes``: reduced gradients kept to the step's end
     buffer_bytes: float = 0.0  # of ``bytes``: inputs redistributed for the op at the peak
+    # of ``bytes``: the executed collectives' own buffers (``collective_memory.py``): bucket
+    # inputs packed and outputs gathered, the backend's scratch
+    collective_bytes: float = 0.0
+    # each merged collective's (kind, full-size bytes, packed-shard bytes), in issue order
+    buckets: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 def whole_peak(peak: Peak, param_bytes: float) -> dict[str, float]:
     """The per-device peak of a training step by kind of bytes: ``peak`` (the walk's)
     plus the parameters (``param_bytes`` per device) and the optimizer's state."""
-    activations = peak.bytes - peak.weight_copy_bytes - peak.gradient_bytes - peak.buffer_bytes
+    activations = (
+        peak.bytes - peak.weight_copy_bytes - peak.gradient_bytes - peak.buffer_bytes - peak.collective_bytes
+    )
     return {
         "parameters": param_bytes,
         "optimizer_state": OPTIMIZER_STATE_COPIES * param_bytes,
@@ -98,6 +112,7 @@ def whole_peak(peak: Peak, param_bytes: float) -> dict[str, float]:
         "activations": activations,
         "weight_copies": peak.weight_copy_bytes,
         "redistribution_buffers": peak.buffer_bytes,
+        "collective_buffers": peak.collective_bytes,
     }
 
 
@@ -109,6 +124,8 @@ class _Timeline:
     last_use: dict[fx.Node, int]
     transient: dict[int, float]
     kept: dict[int, float]
+    root: dict[fx.Node, fx.Node] = field(default_factory=dict)  # alias -> the allocation it shows
+    spans: list[Span] = field(default_factory=list)  # the executed collectives' (collective_memory.py)
 
 
 def predicted_peak(
@@ -116,25 +133,51 @@ def predicted_peak(
     chosen: Mapping[fx.Node, Strategy],
     edge_parts: list[list[EdgeInfo]],
     mesh_sizes: tuple[int, ...],
+    gloo: bool = False,
 ) -> Peak:
     """Largest per-device total of live step-produced tensors (see the module docstring),
-    where in the step it is reached, and what is live there."""
+    where in the step it is reached, and what is live there. ``gloo``: the collectives run
+    on gloo, which adds its scratch buffers (``buckets.backend_scratch_bytes``)."""
     t = _timeline(traced, chosen, edge_parts, mesh_sizes)
+    copies = _weight_copies(traced)
+    executed = executed_collectives(t.order, chosen, edge_parts, mesh_sizes, copies | set(traced.params.values()), gloo)
+    _hold(t, executed.held_until)
+    t.spans = executed.spans
     frees: dict[int, float] = defaultdict(float)
     for owner, nbytes in t.size.items():
         frees[t.last_use[owner]] += nbytes
+    opens: dict[int, float] = defaultdict(float)
+    for span in t.spans:
+        opens[span.first] += span.bytes
+        frees[span.last] += span.bytes
     live = peak = 0.0
     at = 0
     for i, node in enumerate(t.order):
-        live += t.size.get(node, 0.0) + t.kept.get(i, 0.0)
+        live += t.size.get(node, 0.0) + t.kept.get(i, 0.0) + opens.get(i, 0.0)
         if live + t.transient.get(i, 0.0) > peak:
             peak, at = live + t.transient.get(i, 0.0), i
         live -= frees.get(i, 0.0)
-    copies = _weight_copies(traced)
     weight_bytes = sum(nbytes for owner, nbytes in _live_at(t, at) if owner in copies)
+    weight_bytes += sum(s.bytes for s in _spans_at(t, at) if s.kind == WEIGHT)
     grads = sum(b for i, b in t.kept.items() if i <= at)
+    collective = sum(s.bytes for s in _spans_at(t, at) if s.kind == COLLECTIVE)
     parts = _parts_at(t, at, chosen)
-    return Peak(peak, t.order[at].name, parts, weight_bytes, grads, t.transient.get(at, 0.0))
+    return Peak(
+        peak, t.order[at].name, parts, weight_bytes, grads, t.transient.get(at, 0.0), collective,
+        bucket_bytes(executed.buckets),
+    )  # fmt: skip
+
+
+def _hold(t: _Timeline, held_until: dict[fx.Node, int]) -> None:
+    """Keep the allocations behind ``held_until``'s tensors live to at least there."""
+    for node, until in held_until.items():
+        owner = t.root.get(node, node)
+        if owner in t.last_use:
+            t.last_use[owner] = max(t.last_use[owner], until)
+
+
+def _spans_at(t: _Timeline, at: int) -> list[Span]:
+    return [s for s in t.spans if s.first <= at <= s.last]
 
 
 def _live_at(t: _Timeline, at: int) -> Iterator[tuple[fx.Node, float]]:
@@ -186,7 +229,7 @@ def _timeline(
                 owner = root[arg]
                 last_use[owner] = max(last_use.get(owner, i), i)
     kept = _gradient_bytes(traced, chosen, mesh_sizes, position)
-    return _Timeline(order, position, size, last_use, transient, kept)
+    return _Timeline(order, position, size, last_use, transient, kept, root)
 
 
 def _parts_at(t: _Timeline, at: int, chosen: Mapping[fx.Node, Strategy]) -> list[PeakPart]:
@@ -205,6 +248,13 @@ def _parts_at(t: _Timeline, at: int, chosen: Mapping[fx.Node, Strategy]) -> list
         parts.append(PeakPart("reduced gradients, kept to the step's end", sum(1 for i in t.kept if i <= at), grads))
     if t.transient.get(at):
         parts.append(PeakPart("inputs redistributed for the op at the peak", 1, t.transient[at]))
+    spans = _spans_at(t, at)
+    collective = [s.bytes for s in spans if s.kind == COLLECTIVE]
+    if collective:
+        parts.append(PeakPart("collective buffers: buckets packed and gathered, backend scratch", len(collective), sum(collective)))
+    early = [s.bytes for s in spans if s.kind != COLLECTIVE]
+    if early:
+        parts.append(PeakPart("copies gathered by a bucket before their op", len(early), sum(early)))
     return parts
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from torchtitan_autoparallel.planner.cost.cost_model import collective_time_us, mesh_dim_links, redistribute_steps
+from torchtitan_autoparallel.planner.plan.buckets import runs_on_gloo
 from torchtitan_autoparallel.planner.plan.memory import predicted_peak, whole_peak
 from torchtitan_autoparallel.planner.problem.build import GRAD_EDGE, BuiltProblem, EdgeInfo
 from torchtitan_autoparallel.planner.solve.base import Solution
@@ -63,8 +64,12 @@ class Plan:
     peak_contents: list[dict[str, Any]] = field(default_factory=list)
     peak_at: str = ""
     # ``predicted["peak_bytes_per_device"]`` by kind (``memory.whole_peak``): parameters,
-    # optimizer_state, gradients, activations, weight_copies, redistribution_buffers
+    # optimizer_state, gradients, activations, weight_copies, redistribution_buffers,
+    # collective_buffers
     peak_parts: dict[str, float] = field(default_factory=dict)
+    # The collectives the executor will merge (planner/plan/buckets.py), in issue order: kind,
+    # bytes (full size: gathered output, unreduced input), packed_bytes (the shards' side)
+    peak_buckets: list[dict[str, Any]] = field(default_factory=list)
     # Each problem node's chosen strategy, by index, in the order of the problem the
     # planner solved (``--autoparallel.export_problem`` writes it; docs/problem_format.md):
     # what re-scores the plan independently of this package.
@@ -122,7 +127,7 @@ def plan_from_solution(
     chosen = {n: built.strategies(n)[int(x[i])] for i, n in enumerate(built.nodes)}
     params = {fqn: [placement_str(p) for p in chosen[node].outputs[0]] for fqn, node in traced.params.items()}
     nodes = {n.name: ",".join(label(p) if p else "-" for p in s.outputs) for n, s in chosen.items()}
-    peak = predicted_peak(traced, chosen, built.edge_parts, mesh.sizes)
+    peak = predicted_peak(traced, chosen, built.edge_parts, mesh.sizes, gloo=runs_on_gloo(built.profile.name))
     compute = float(sum(problem.unary[v][x[v]] for v in range(problem.num_nodes)))
     comm = float(sum(t[x[u], x[v]] for t, (u, v) in zip(problem.pairwise, problem.edges)))
     param_bytes = float(problem.memory_used(x))
@@ -153,6 +158,7 @@ def plan_from_solution(
         peak_contents=[asdict(part) for part in peak.parts],
         peak_at=peak.at,
         peak_parts=parts,
+        peak_buckets=[{"kind": k, "bytes": b, "packed_bytes": p} for k, b, p in peak.buckets],
         assignment=x.tolist(),
     )
 

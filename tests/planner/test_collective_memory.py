@@ -1,0 +1,91 @@
+"""The memory prediction counts the collectives as the executor runs them
+(``planner/plan/buckets.py``, ``planner/plan/collective_memory.py``): the buckets it predicts
+for a plan are the ones ``execute/bucketing.py`` merges in that plan's step graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from torchtitan_autoparallel.execute.bucketing import bucket_collectives
+from torchtitan_autoparallel.execute.overlap import is_collective
+from torchtitan_autoparallel.execute.parity import ParityConfig, batch, full_model, plan_parity
+from torchtitan_autoparallel.planner.plan.buckets import BUCKET_BYTES, backend_scratch_bytes, group_buckets
+from torchtitan_autoparallel.planner.plan.memory import whole_peak
+
+_AG = torch.ops._c10d_functional.all_gather_into_tensor.default
+_KIND = {_AG: "all_gather", torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter"}
+
+
+@pytest.fixture
+def fake_two():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already open in this process (a test leaked it)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+def _executed_buckets(gm: torch.fx.GraphModule) -> list[tuple[str, float, float]]:
+    """Bucket ``gm``'s collectives; (kind, full-size bytes, packed-shard bytes) of each merged
+    one (the collective nodes the pass made: the others keep their names)."""
+    before = {n.name for n in gm.graph.nodes if is_collective(n)}
+    bucket_collectives(gm)
+    out = []
+    for node in (n for n in gm.graph.nodes if n.target in _KIND and n.name not in before):
+        inp, res = node.args[0].meta["val"], node.meta["val"]
+        nbytes = lambda v: float(v.numel() * v.element_size())  # noqa: E731
+        full, shard = (nbytes(res), nbytes(inp)) if node.target is _AG else (nbytes(inp), nbytes(res))
+        out.append((_KIND[node.target], full, shard))
+    return out
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_predicted_buckets_are_the_executed_ones(fake_two, ac):
+    cfg = ParityConfig()
+    full = full_model(cfg)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    planned = plan_parity(cfg, mesh, full, activation_checkpoint=ac)
+    planned.step.compile(*batch(cfg, 0, full.tok_embeddings.weight.shape[0]))
+    gm = planned.step.local_graph
+    executed = _executed_buckets(gm)
+    predicted = [(b["kind"], b["bytes"], b["packed_bytes"]) for b in planned.plan.peak_buckets]
+    print(f"\nFSDP 2, ac {ac}: buckets (kind, bytes, packed) executed {executed}, predicted {predicted}")
+    assert {kind for kind, *_ in executed} == {"all_gather", "reduce_scatter"}
+    assert sorted(predicted) == sorted(executed)
+    # Those buffers are a part of the whole peak, and add up with the others.
+    parts = planned.plan.peak_parts
+    assert parts["collective_buffers"] >= 0
+    assert sum(parts.values()) == planned.plan.predicted["peak_bytes_per_device"]
+
+
+class _C:
+    def __init__(self, key, start, end, nbytes):
+        self.key, self.start, self.end, self.nbytes = key, start, end, nbytes
+
+
+def test_the_grouping_rule_keeps_to_the_cap_the_windows_and_the_key():
+    cs = [_C("a", 0, 5, 10), _C("a", 0, 9, 10), _C("b", 0, 9, 1), _C("a", 6, 9, 10), _C("a", 0, 9, 25), _C("a", 0, 9, 5)]
+    got = [[cs.index(c) for c in b] for b in group_buckets(cs, cap=30)]
+    # 3 opens after 0's window ended (6 >= 5); 4 would pass the cap with 3, so 4 and 5 share one
+    assert got == [[0, 1], [3], [4, 5], [2]]
+    assert BUCKET_BYTES == 32 * 2**20
+
+
+def test_gloo_scratch_is_counted_on_gloo_only():
+    assert backend_scratch_bytes("all_gather", 100.0, gloo=True) == 100.0
+    assert backend_scratch_bytes("reduce_scatter", 100.0, gloo=True) == 100.0
+    assert backend_scratch_bytes("all_reduce", 100.0, gloo=True) == 0.0
+    assert backend_scratch_bytes("all_gather", 100.0, gloo=False) == 0.0
+
+
+def test_old_peaks_without_collectives_still_add_up():
+    from torchtitan_autoparallel.planner.plan.memory import Peak
+
+    parts = whole_peak(Peak(100.0, "mm", [], weight_copy_bytes=10.0, collective_bytes=30.0), param_bytes=8.0)
+    assert parts["collective_buffers"] == 30.0 and parts["activations"] == 60.0
+    assert sum(parts.values()) == 100.0 + 3 * 8.0
