@@ -1,7 +1,7 @@
 """The planner's compiled loops: numba, compiled on first use, or run as Python.
 
-Every compiled module of the planner (``pricer``, ``sums``, ``solvers/kernels``,
-``mrf``, ``trws``, ``local_search``) decorates its loops with ``jit`` or
+Every compiled module of the planner (``pricer``, ``sums``, the presolve's and
+TRW-S' ``kernels``, ``mrf``, ``trws``, ``local_search``) decorates its loops with ``jit`` or
 ``inline`` from here instead of ``numba.njit``, so that one switch decides, per
 plan, whether they run compiled or as the Python they are written in:
 
@@ -15,7 +15,6 @@ plan, whether they run compiled or as the Python they are written in:
   ``compile_seconds`` is the time spent in numba's compiles (and cache loads)
   so far, apart from the first calls' own running time: ``plan_stages``
   reports it as its own line instead of inside the stage that triggered it.
-  ``python -m torchtitan_autoparallel.planner.warm_up`` compiles them ahead.
 * Python (``compiled(False)``): each loop runs its ``py_func``, and the loops it
   calls do too (a call from Python goes through ``Loop.__call__``), so nothing
   compiles. ``plan_stages`` asks for this on 1-D meshes, whose problems are
