@@ -67,3 +67,16 @@ def fake_world():
     yield
     if created:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake_two():
+    """A fake process group of 2 ranks, for one test; a group left open by another test is an error."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already open in this process (a test leaked it)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()

@@ -14,7 +14,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from _graphs import live_graph, node_signatures
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -137,17 +136,6 @@ def test_prefetch_must_allow_one_collective_in_flight(gloo_one):
 
 
 # ---------------------------------------------------------------- a planned step (fake group)
-
-
-@pytest.fixture
-def fake_two():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.fail("a process group is already open in this process (a test leaked it)")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
 
 
 def _planned_fsdp_step():

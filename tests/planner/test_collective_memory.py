@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan_autoparallel.execute.bucketing import bucket_collectives
@@ -17,17 +16,6 @@ from torchtitan_autoparallel.planner.plan.memory import whole_peak
 
 _AG = torch.ops._c10d_functional.all_gather_into_tensor.default
 _KIND = {_AG: "all_gather", torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter"}
-
-
-@pytest.fixture
-def fake_two():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.fail("a process group is already open in this process (a test leaked it)")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
 
 
 def _executed_buckets(gm: torch.fx.GraphModule) -> list[tuple[str, float, float]]:

@@ -50,7 +50,7 @@ def graph_cost(gm: fx.GraphModule, mesh, profile: HardwareProfile) -> GraphCost:
             continue
         nodes += 1
         fresh += fresh_bytes(node)
-        kind = _kind(node)
+        kind = collective_kind(node)
         if kind is None:
             continue
         group = group_name(node)
@@ -58,7 +58,7 @@ def graph_cost(gm: fx.GraphModule, mesh, profile: HardwareProfile) -> GraphCost:
             raise ValueError(f"{node.name}: {kind} over group {group!r}, which is no dim of the mesh")
         dim = dims[group]
         calls[kind] += 1
-        comm += collective_time_us(kind, _charged_bytes(node, kind), mesh.size(dim), links[dim])
+        comm += collective_time_us(kind, charged_bytes(node, kind), mesh.size(dim), links[dim])
     return GraphCost(nodes, dict(sorted(calls.items())), comm, fresh)
 
 
@@ -79,14 +79,15 @@ def fresh_bytes(node: fx.Node) -> float:
     return float(sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)))
 
 
-def _kind(node: fx.Node) -> str | None:
+def collective_kind(node: fx.Node) -> str | None:
+    """The cost model's kind of a functional collective node; None for anything else (waits too)."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
         return None
     return _KINDS.get(target._schema.name.split("::")[-1])
 
 
-def _charged_bytes(node: fx.Node, kind: str) -> float:
+def charged_bytes(node: fx.Node, kind: str) -> float:
     """As ``collective_time_us`` counts them: the gathered output, else the input buffer."""
     source = node if kind == "all_gather" else node.args[0]
     val = source.meta.get("val")

@@ -29,19 +29,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_autoparallel.execute.bucketing import bucket_collectives
 from torchtitan_autoparallel.execute.compiled import trace_local_graph
+from torchtitan_autoparallel.execute.graph_cost import charged_bytes, collective_kind
 from torchtitan_autoparallel.execute.overlap import group_name
 from torchtitan_autoparallel.execute.step import FullValues, build_executable
 from torchtitan_autoparallel.planner.cost.cost_model import collective_time_us, mesh_dim_links
 from torchtitan_autoparallel.planner.cost.profiles import HardwareProfile
 from torchtitan_autoparallel.planner.plan.api import ExecutablePlan
-
-# Functional collective op name -> the cost model's kind (waits are not collectives).
-_KINDS = {
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "all_to_all_single": "all_to_all",
-}
 
 
 @dataclass(frozen=True)
@@ -84,7 +77,7 @@ def executed_collectives(gm: fx.GraphModule, mesh: MeshGroups, profile: Hardware
         dim = mesh.groups.get(group_name(node))
         if dim is None:
             raise ValueError(f"{node.name}: {kind} over group {group_name(node)!r}, which is no dim of the mesh")
-        counts[(kind, dim, _charged_bytes(node, kind))] += 1
+        counts[(kind, dim, charged_bytes(node, kind))] += 1
     found = [
         ExecutedCollective(kind, mesh.names[dim], nbytes, collective_time_us(kind, nbytes, mesh.sizes[dim], links[dim]), n)
         for (kind, dim, nbytes), n in counts.items()
@@ -131,23 +124,6 @@ def fake_step_graph(executable: ExecutablePlan, mesh: DeviceMesh) -> fx.GraphMod
 def _fake(node: fx.Node) -> torch.Tensor:
     val = node.meta["val"]
     return torch.zeros(val.shape, dtype=val.dtype)
-
-
-def collective_kind(node: fx.Node) -> str | None:
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return None
-    if target.namespace != "_c10d_functional":
-        return None
-    return _KINDS.get(target._schema.name.split("::")[-1])
-
-
-def _charged_bytes(node: fx.Node, kind: str) -> float:
-    source = node if kind == "all_gather" else node.args[0]
-    val = source.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        raise ValueError(f"{node.name}: {kind} whose buffer has no recorded shape (meta['val'] of {source.name})")
-    return float(val.numel() * val.element_size())
 
 
 def from_dicts(rows: list[dict[str, Any]]) -> list[ExecutedCollective]:
