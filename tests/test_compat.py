@@ -119,7 +119,7 @@ def test_launcher_refuses_an_unsupported_torch_before_any_rank() -> None:
     code = (
         "import sys; from torchtitan_autoparallel import compat; "
         "compat.installed = {'torch': '2.10.0', 'torchtitan': '0.3.0'}.get; "
-        "from torchtitan_autoparallel.train import launch; "
+        "from torchtitan_autoparallel.launch import launch; "
         "sys.exit(launch.main(['--ngpu', '2', '--standalone', '--', '-m', launch.TRAIN_MODULE]))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

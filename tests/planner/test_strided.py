@@ -392,6 +392,7 @@ def _recorded(gm) -> dict:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for _graphs
     if "--compile-arms" in sys.argv:
         _compile_arms_main(sys.argv[sys.argv.index("--out") + 1])
     else:

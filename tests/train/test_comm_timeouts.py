@@ -91,7 +91,7 @@ def test_a_hung_launch_is_stopped_showing_where_its_ranks_were(tmp_path: Path) -
     assert returncode == -9 and len(ranks) >= 2, (returncode, ranks)
     # rank 0's threads, printed on SIGUSR1 by the trainer; torchrun's own stop; then
     # each rank's innermost frames, rank 1's from a log that LOG_RANK=0 does not show
-    assert "(most recent call first)" in err and "torchtitan_autoparallel/train/main.py" in err, err[-3000:]
+    assert "(most recent call first)" in err and "torchtitan_autoparallel/launch/main.py" in err, err[-3000:]
     assert "stopped: the launcher received SIGTERM; every rank was stopped" in err, err[-3000:]
     stacks = {r: [x for x in err.splitlines() if x.startswith(f"[rank{r}]:stack: ")] for r in (0, 1)}
     assert any("_stalling_rank.py" in x and " in slow" in x for x in stacks[0]), err[-3000:]
