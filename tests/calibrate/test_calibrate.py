@@ -196,6 +196,12 @@ def test_step_fit_recovers_the_cost_of_fresh_output_memory() -> None:
         fit = fit_step([sample(n, b, noise, rng) for n, b in graphs], opt, mem_bandwidth_GBps=bandwidth)
         assert fit.alloc_us_per_byte == pytest.approx(truth.alloc_us_per_byte, rel=rel)
         assert fit.host_us_per_node == pytest.approx(12.5, rel=rel)
+    # One chain faster than the copy bandwidth (its outputs stayed in cache) still fits; all of them cannot.
+    cached = [sample(n, b, 0.0, rng) for n, b in graphs]
+    cached[4] = replace(cached[4], us=0.5 * cached[4].moved_bytes / (bandwidth * 1e3))
+    assert fit_step(cached, opt, mem_bandwidth_GBps=bandwidth).host_us_per_node > 0
+    with pytest.raises(FitError, match="below their kernels' memory traffic"):
+        fit_step(cached, opt, mem_bandwidth_GBps=bandwidth / 1000)
     # Small-op graphs alone cannot tell the per-byte cost from the per-node one: it stays 0.
     small = fit_step([sample(n, b, 0.0, rng) for n, b in graphs[:3]], opt)
     assert small.alloc_us_per_byte == 0.0

@@ -182,7 +182,10 @@ def _fit_host(host: list[HostSample], mem_bandwidth_GBps: float) -> tuple[list[f
     traffic = np.array([s.moved_bytes / (mem_bandwidth_GBps * 1e3) if mem_bandwidth_GBps > 0 else 0.0 for s in host])
     rows = np.array([[s.nodes, s.fresh_bytes, 1.0] if with_alloc else [s.nodes, 1.0] for s in host], dtype=float)
     us = np.array([s.us for s in host])
-    if np.any(us - traffic <= 0):
+    # A graph whose outputs stay in cache may run under the copy's bandwidth (a 256 KiB chain
+    # beside a 4 MiB copy did); only when every graph with traffic does is the copy timing wrong.
+    moved = traffic > 0
+    if moved.any() and np.all(us[moved] <= traffic[moved]):
         raise FitError("graph timings are below their kernels' memory traffic; check the copy timings")
     coef, rms = _solve(rows, us - traffic)
     if coef[0] <= 0:
