@@ -129,5 +129,12 @@ def test_bucketed_losses_equal_single_device(mesh, tmp_path_factory):
     assert len(result["losses"]) == len(want)
     for step, (got, ref) in enumerate(zip(result["losses"], want)):
         assert abs(got - ref) <= REL_TOL * abs(ref), f"step {step}: {got} vs {ref}"
-    for kind in ("all_gather", "reduce_scatter"):
-        assert result["compiled_collectives"][kind] < result["expected"][kind], kind
+    compiled, expected = result["compiled_collectives"], result["expected"]
+    assert compiled["all_gather"] < expected["all_gather"]
+    # On dp_shard x tp every reduce-scatter is one step of DTensor's two-step sequence (the
+    # next step reads its result at once): none can wait for a neighbour, so none merge.
+    # The gradients are reduced as the backward makes them, not all together at the end.
+    if "tp" in mesh:
+        assert compiled["reduce_scatter"] == expected["reduce_scatter"]
+    else:
+        assert compiled["reduce_scatter"] < expected["reduce_scatter"]

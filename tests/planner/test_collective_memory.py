@@ -40,6 +40,12 @@ def test_predicted_buckets_are_the_executed_ones(fake_two, ac):
     planned = plan_parity(cfg, mesh, full, activation_checkpoint=ac)
     planned.step.compile(*batch(cfg, 0, full.tok_embeddings.weight.shape[0]))
     gm = planned.step.local_graph
+    # Each gradient is reduce-scattered as the backward makes it: most of the backward's
+    # matmuls still run after the first reduce-scatter (none would, reduced at the end).
+    nodes = list(gm.graph.nodes)
+    grads = [i for i, n in enumerate(nodes) if _KIND.get(n.target) == "reduce_scatter" and _feeds_output(n)]
+    matmuls = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
+    assert grads and sum(i > grads[0] for i in matmuls) > len(matmuls) // 3
     executed = _executed_buckets(gm)
     predicted = [(b["kind"], b["bytes"], b["packed_bytes"]) for b in planned.plan.peak_buckets]
     print(f"\nFSDP 2, ac {ac}: buckets (kind, bytes, packed) executed {executed}, predicted {predicted}")
@@ -49,6 +55,19 @@ def test_predicted_buckets_are_the_executed_ones(fake_two, ac):
     parts = planned.plan.peak_parts
     assert parts["collective_buffers"] >= 0
     assert sum(parts.values()) == planned.plan.predicted["peak_bytes_per_device"]
+
+
+def _feeds_output(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s result reaches the step's output through its wait and views only."""
+    users = list(node.users)
+    while users:
+        user = users.pop()
+        if user.op == "output":
+            return True
+        if user.target in (torch.ops._c10d_functional.wait_tensor.default, torch.ops.aten.view.default,
+                           torch.ops.aten.t.default, torch.ops.aten._unsafe_view.default):
+            users.extend(user.users)
+    return False
 
 
 class _C:

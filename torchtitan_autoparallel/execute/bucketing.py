@@ -36,7 +36,10 @@ the same merges, since gloo and NCCL match collectives by issue order):
 - The merged wait and unpacking go right before the earliest window end. A
   merged reduce-scatter (and its concatenation) is issued right after the
   latest window start; a merged all-gather right before its wait, since its
-  output buffer exists from its issue on. ``schedule_overlap`` then moves
+  output buffer exists from its issue on. A merged reduce-scatter's wait
+  also comes before the next other collective: a gradient's result is read
+  only by the output, and waited for there every bucket's packed input
+  (full size) would live to the step's end. ``schedule_overlap`` then moves
   issues earlier and waits later within its in-flight bound.
 
 Parameter all-gathers, whose inputs exist from the start, thus fill buckets
@@ -122,7 +125,8 @@ def bucket_collectives(gm: fx.GraphModule, bucket_bytes: int = BUCKET_BYTES) -> 
     index = {n: i for i, n in enumerate(nodes)}
     merged = [b for b in _plan(nodes, index, bucket_bytes) if len(b.members) > 1]
     merged.sort(key=lambda b: index[b.members[0].coll])
-    waits_at = [_rewrite(gm.graph, nodes, bucket) for bucket in merged]
+    erased = {n for b in merged for m in b.members for n in (m.coll, m.wait)}
+    waits_at = [_rewrite(gm.graph, nodes, bucket, erased) for bucket in merged]
     # Moved and erased last: each rewrite anchors its new nodes on the original positions.
     for bucket, wait_at in zip(merged, waits_at):
         for view in (v for m in bucket.members for v in m.tail):
@@ -221,13 +225,13 @@ def _movable_view(node: fx.Node, inside: set[fx.Node]) -> bool:
 # ---------------------------------------------------------------- rewriting
 
 
-def _rewrite(graph: fx.Graph, nodes: list[fx.Node], bucket: _Bucket) -> fx.Node:
+def _rewrite(graph: fx.Graph, nodes: list[fx.Node], bucket: _Bucket, erased: set[fx.Node]) -> fx.Node:
     """Insert the merged collective of ``bucket``, point each member's users at its slice.
 
-    Returns the node the merged wait was inserted before.
+    Returns the node the merged wait was inserted before (never one of ``erased``).
     """
-    wait_at = nodes[bucket.end]
     gather = bucket.members[0].coll.target is _AG
+    wait_at = nodes[bucket.end if gather else min(bucket.end, _next_collective(nodes, bucket, erased))]
     # A gather's output is allocated when it is issued: issued at its window's start
     # (the step's start, for parameters) every bucket would hold its gathered weights
     # at once, the whole model. Issued just before its wait, ``schedule_overlap``
@@ -239,6 +243,15 @@ def _rewrite(graph: fx.Graph, nodes: list[fx.Node], bucket: _Bucket) -> fx.Node:
     for m, result in zip(bucket.members, build(graph, bucket.members, issue_at, wait_at)):
         m.wait.replace_all_uses_with(result)
     return wait_at
+
+
+def _next_collective(nodes: list[fx.Node], bucket: _Bucket, erased: set[fx.Node]) -> int:
+    """Index of the first node, after the bucket's issue, that stays and is at or past
+    another collective (a member of another bucket is erased: the next node that stays)."""
+    members = {m.coll for m in bucket.members}
+    after = range(bucket.start + 1, len(nodes))
+    first = next((i for i in after if is_collective(nodes[i]) and nodes[i] not in members), len(nodes) - 1)
+    return next(i for i in range(first, len(nodes)) if nodes[i] not in erased)
 
 
 def _gather(graph: fx.Graph, members: list[_Member], issue_at: fx.Node, wait_at: fx.Node) -> list[fx.Node]:

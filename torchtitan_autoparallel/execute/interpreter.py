@@ -19,7 +19,10 @@ For every op node, in graph order:
      local output shapes are checked against the planned global shapes, so a
      local run of an op with global-shape arguments fails loudly.
 
-3. outputs are checked against the planned placements.
+3. outputs are checked against the planned placements;
+4. a parameter's gradient is moved to its parameter's placement (FSDP's
+   reduce-scatter, DDP's all-reduce) as soon as the backward has no further
+   use of it, so the unreduced gradients do not pile up until the step's end.
 
 Nodes outside the problem (none carry tensors today) run as plain FX nodes.
 """
@@ -27,7 +30,7 @@ Nodes outside the problem (none carry tensors today) run as plain FX nodes.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +47,7 @@ from torchtitan_autoparallel.execute.kernels import retarget_device, substitute
 from torchtitan_autoparallel.execute.layout import match_layout
 from torchtitan_autoparallel.execute.placements import placements_text, same_placements
 from torchtitan_autoparallel.execute.redistribute import redistribute_to
+from torchtitan_autoparallel.planner.plan.buckets import gradient_triggers
 from torchtitan_autoparallel.planner.strategies.placement import Placements, local_shape
 from torchtitan_autoparallel.planner.strategies.strategy import Strategy
 
@@ -92,6 +96,7 @@ class PlannedInterpreter(fx.Interpreter):
         modes: ExecutionModes,
         portable_kernels: bool = False,
         progress: Callable[[], None] | None = None,
+        gradients: Mapping[fx.Node, Placements] | None = None,
     ) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.chosen = chosen
@@ -100,8 +105,22 @@ class PlannedInterpreter(fx.Interpreter):
         # Run CPU-only kernels through their portable stand-ins even on CPU (for tests).
         self.portable_kernels = portable_kernels
         self.progress = progress  # called once per node (the compile's progress log)
+        # gradient node -> its parameter's placement; reduced after the node that triggers it
+        self.gradients = dict(gradients or {})
+        self.reduce_after = gradient_triggers(gm.graph, self.gradients)
 
     def run_node(self, n: fx.Node) -> Any:
+        out = self._run_node(n)
+        for grad in self.reduce_after.get(n, ()):
+            value = out if grad is n else self.env[grad]
+            reduced = redistribute_to(value, self.mesh, self.gradients[grad])
+            if grad is n:
+                out = reduced
+            else:
+                self.env[grad] = reduced  # the unreduced value is freed here
+        return out
+
+    def _run_node(self, n: fx.Node) -> Any:
         if self.progress is not None:
             self.progress()
         if n.op != "call_function" or n.target is operator.getitem or n not in self.chosen:

@@ -6,7 +6,7 @@ its own slice (nothing is sent), or one rank holds it and scatters each tensor
 in turn; either way their values equal an unsharded init.
 ``PlannedStep.step`` runs the joint forward+backward graph through
 ``PlannedInterpreter`` and returns the loss and the gradients, each gradient
-already moved to its parameter's placement (the plan's gradient edges: this is
+moved to its parameter's placement as the backward produces it (the plan's gradient edges: this is
 where FSDP's reduce-scatter or DDP's all-reduce happen).
 """
 
@@ -28,7 +28,6 @@ from torchtitan_autoparallel.execute.interpreter import ExecutionModes, PlanExec
 from torchtitan_autoparallel.execute.kernels import check_logsumexp_users
 from torchtitan_autoparallel.execute.overlap import OverlapStats, schedule_overlap
 from torchtitan_autoparallel.execute.placements import placements_text
-from torchtitan_autoparallel.execute.redistribute import redistribute_to
 from torchtitan_autoparallel.planner.plan.api import ExecutablePlan
 from torchtitan_autoparallel.planner.strategies.placement import Placements
 from torchtitan_autoparallel.planner.strategies.strategy import Strategy
@@ -130,14 +129,14 @@ class PlannedStep:
         """Interpret the joint graph over DTensors placed as planned (``inputs`` as ``self.inputs``);
         ``progress`` is called once per graph node."""
         t = self.traced
+        # Each gradient is reduced to its parameter's placement as the backward produces it.
+        gradients = {t.grads[fqn]: self.chosen[param].outputs[0] for fqn, param in t.params.items() if fqn in t.grads}
         interpreter = PlannedInterpreter(
-            t.graph, self.chosen, self.mesh, self.modes, self.portable_kernels, progress=progress
+            t.graph, self.chosen, self.mesh, self.modes, self.portable_kernels, progress=progress, gradients=gradients
         )
         with torch.no_grad():
             flat = _flatten(interpreter.run(*inputs, enable_io_processing=False))
-            loss, raw = flat[0], flat[1:]
-            grads = {fqn: self._to_param_placement(fqn, g) for fqn, g in zip(t.params, raw)}
-        return StepOutput(loss, grads)
+        return StepOutput(flat[0], dict(zip(t.params, flat[1:])))
 
     def compile(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
         """Re-trace the interpretation into a graph over local tensors; later steps run it.
@@ -229,10 +228,6 @@ class PlannedStep:
         return self.modes.local_ops()
 
     # ------------------------------------------------------------ helpers
-
-    def _to_param_placement(self, fqn: str, grad: DTensor) -> DTensor:
-        want = self.chosen[self.traced.params[fqn]].outputs[0]
-        return redistribute_to(grad, self.mesh, want)
 
     def _batch_from_local(self, local_tokens: torch.Tensor, local_labels: torch.Tensor) -> tuple[DTensor, DTensor]:
         """This rank's slice of the batch as the DTensors the step takes."""

@@ -14,6 +14,8 @@ from here by both sides: the prediction cannot drift from what runs.
   (issue no earlier than ``start``, wait before ``end``) still overlap and
   the bucket stays within the cap; otherwise that bucket closes and the
   candidate opens the next.
+* ``gradient_triggers``: where each parameter gradient is reduced (after
+  the last node that reads it, the step's output aside).
 * ``backend_scratch_bytes``: what the process group's backend allocates
   besides the collective's own input and output while it runs. Measured on
   gloo (torch 2.14.1, ``experiments/memory``): an all-gather gathers into a
@@ -27,6 +29,7 @@ from collections.abc import Hashable, Iterable
 from typing import Protocol, TypeVar
 
 import torch.distributed as dist
+from torch import fx
 
 BUCKET_BYTES = 32 * 2**20
 IN_FLIGHT = 1
@@ -67,6 +70,17 @@ def _admits(bucket: list[Window], m: Window, cap: int | float) -> bool:
     start = max(max(x.start for x in bucket), m.start)
     end = min(min(x.end for x in bucket), m.end)
     return nbytes <= cap and start < end
+
+
+def gradient_triggers(graph: fx.Graph, gradients: Iterable[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """node -> the gradients reduced right after it: each gradient's last reader other than
+    the step's output (the gradient's own node, unless the backward reads it again)."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    out: dict[fx.Node, list[fx.Node]] = {}
+    for grad in sorted(gradients, key=position.__getitem__):
+        uses = [u for u in grad.users if u.op != "output"]
+        out.setdefault(max([grad, *uses], key=position.__getitem__), []).append(grad)
+    return out
 
 
 def backend_scratch_bytes(kind: str, full_bytes: float, gloo: bool) -> float:

@@ -14,22 +14,20 @@ spans of graph positions holding bytes:
   op that reads it (a parameter's: a weight copy);
 * a merged reduce-scatter is issued once its last member's input exists: the
   members' unreduced inputs live until then, and its packed input (full
-  size) until its wait, before the first use of a result (the step's end,
-  for parameter gradients); the backend's scratch is live right after the
-  issue, once packing has freed the inputs; its
-  results are views of one output buffer, live while any of them is;
-* one left alone costs its scratch where it runs; the gradient of a
-  parameter is reduced after the step's last op, so its unreduced value lives
-  until its reduction is issued.
+  size) until its wait, before the first use of a result or the next other
+  collective, whichever comes first; the backend's scratch is live right
+  after the issue, once packing has freed the inputs; its results are views
+  of one output buffer, live while any of them is;
+* one left alone costs its scratch where it runs, and its input lives until
+  it is issued.
 
-In the traced order a collective runs where its consumer does (a parameter
-gradient's at the step's end, in parameter order), as in the graph the
-executor records. Its window, as the executor computes it: collectives after
+In the traced order a collective runs where its consumer does, and a
+parameter's gradient is reduced right after the backward's last read of it
+(``buckets.gradient_triggers``), as in the graph the executor records. Its
+window, as the executor computes it: collectives after
 the first of a redistribution read that first one's result and stay alone;
-one along another tensor dim than the first needs its result at once (an
-all-gather's) or makes its input right there (a reduce-scatter's); and the
-executor's copies back into a traced memory layout (``execute/layout.py``)
-are mutations no window crosses.
+and one along another tensor dim than the first needs its result at once (an
+all-gather's) or makes its input right there (a reduce-scatter's).
 
 Not modelled: the overlap scheduler issues an all-gather bucket up to
 ``buckets.IN_FLIGHT`` collectives early, which moves its buffers before its
@@ -52,7 +50,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
-from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
 from torch.distributed.tensor.placement_types import Shard
 
 from torchtitan_autoparallel.planner.cost.cost_model import redistribute_steps
@@ -60,6 +57,7 @@ from torchtitan_autoparallel.planner.plan.buckets import (
     BUCKET_BYTES,
     BUCKETED_KINDS,
     backend_scratch_bytes,
+    gradient_triggers,
     group_buckets,
 )
 from torchtitan_autoparallel.planner.problem.build import GRAD_EDGE, EdgeInfo
@@ -115,15 +113,15 @@ def executed_collectives(
     position = {n: i for i, n in enumerate(order)}
     candidates, alone = planned_collectives(order, position, chosen, edge_parts, mesh_sizes, weights)
     out = ExecutedCollectives()
-    for bucket in group_buckets(candidates, BUCKET_BYTES):
-        if len(bucket) == 1:
-            alone.extend(bucket)
-        elif bucket[0].kind == "all_gather":
+    buckets = group_buckets(candidates, BUCKET_BYTES)
+    alone.extend(b[0] for b in buckets if len(b) == 1)
+    out.buckets = [b for b in buckets if len(b) > 1]
+    issues = sorted([c.at for c in alone] + [_issue(b, len(order) - 1) for b in out.buckets])
+    for bucket in out.buckets:
+        if bucket[0].kind == "all_gather":
             out.spans.extend(_gather_spans(bucket, position, gloo))
-            out.buckets.append(bucket)
         else:
-            _scatter(bucket, out, gloo, len(order) - 1, position)
-            out.buckets.append(bucket)
+            _scatter(bucket, out, gloo, len(order) - 1, position, issues)
     for c in alone:
         at = min(c.at, len(order) - 1)
         scratch = backend_scratch_bytes(c.kind, c.nbytes, gloo)
@@ -146,17 +144,17 @@ def planned_collectives(
     candidates, alone = [], []
     param_order = {p: i for i, p in enumerate(n for n in order if n.op == "placeholder")}
     moved = list(_redistributions(chosen, edge_parts))
-    mutations = sorted({position[p.consumer] for p, _, _ in moved if _relaid(p)})
+    graph = order[0].graph
+    grads = [p.producer for p, _, _ in moved if p.arg_index == GRAD_EDGE]
+    reduced_at = {g: position[t] for t, gs in gradient_triggers(graph, grads).items() for g in gs}
     for part, src, dst in moved:
         grad = part.arg_index == GRAD_EDGE
         steps = redistribute_steps(part.shape, part.dtype.itemsize, src, dst, mesh_sizes)
-        # A gradient is reduced after the step's last op, and its result read at the very end.
-        at = len(order) if grad else position[part.consumer]
+        # A gradient is reduced right after its trigger runs, before the next op's inputs
+        # move, and its result read at the very end.
+        at = reduced_at[part.producer] + 1 if grad else position[part.consumer]
         end = len(order) + 1 if grad else _first_use(part.consumer, position, len(order))
-        # No collective is merged across a mutation (bucketing.py): its window stops there.
-        before = bisect.bisect_left(mutations, at)
-        start = max(position[part.producer], mutations[before - 1] if before else -1)
-        end = min(end, mutations[before]) if before < len(mutations) else end
+        start = position[part.producer]
         for k, step in enumerate(steps):
             if step.kind not in BUCKETED_KINDS:
                 continue
@@ -174,7 +172,7 @@ def planned_collectives(
                 end=at if chained or (inner and step.kind == "all_gather") else end,
                 nbytes=float(step.bytes),
                 local_bytes=float(step.bytes) / step.group_size,
-                order=(at, param_order.get(part.consumer, 0) if grad else part.arg_index, k),
+                order=(at, -1, param_order[part.consumer], k) if grad else (at, part.arg_index, k),
                 at=at,
                 part=part,
                 weight=part.producer in weights,
@@ -204,21 +202,6 @@ def _shard_dim(placements: tuple, mesh_dim: int) -> int | None:
     return p.dim if isinstance(p, Shard) else None
 
 
-def _relaid(part: EdgeInfo) -> bool:
-    """Whether the executor copies this moved tensor back into its traced memory layout
-    (``execute/layout.py``: an ``empty_permuted`` and a ``copy_``, a mutation): a
-    redistribution returns a contiguous tensor, and the traced one is laid out otherwise."""
-    if part.arg_index == GRAD_EDGE:
-        return False
-    val = part.producer.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        val = val[part.output_index]
-    if not isinstance(val, torch.Tensor) or val.ndim < 2 or val.numel() == 0:
-        return False
-    perm, _ = compute_elementwise_output_logical_to_physical_perm(val)
-    return tuple(perm) != tuple(range(val.ndim))
-
-
 def _first_use(consumer: fx.Node, position: dict[fx.Node, int], end_of_step: int) -> int:
     """Where a redistributed input is first needed: at its consumer, or past a view
     consumer at that view's first real use (the executor moves views after the wait)."""
@@ -242,11 +225,26 @@ def _gather_spans(bucket: list[PlannedCollective], position: dict[fx.Node, int],
     return [s for s in spans if s.first <= s.last]
 
 
+def _issue(bucket: list[PlannedCollective], last: int) -> int:
+    """Where a merged collective is issued: a gather right before its wait, a reduce-scatter
+    once its last member's input exists."""
+    if bucket[0].kind == "all_gather":
+        return min(c.end for c in bucket)
+    return min(max(c.start for c in bucket), last)
+
+
 def _scatter(
-    bucket: list[PlannedCollective], out: ExecutedCollectives, gloo: bool, last: int, position: dict[fx.Node, int]
+    bucket: list[PlannedCollective],
+    out: ExecutedCollectives,
+    gloo: bool,
+    last: int,
+    position: dict[fx.Node, int],
+    issues: list[int],
 ) -> None:
-    issue = min(max(c.start for c in bucket), last)
-    wait = min(min(c.end for c in bucket), last)
+    issue = _issue(bucket, last)
+    # Waited for before its first result's use, and before the next collective is issued.
+    later = bisect.bisect_right(issues, issue)
+    wait = min(min(c.end for c in bucket), issues[later] if later < len(issues) else last, last)
     full = sum(c.nbytes for c in bucket)
     out.spans.append(Span(issue, wait, full, COLLECTIVE))
     # Packing frees the members' inputs before the backend copies the packed buffer:
