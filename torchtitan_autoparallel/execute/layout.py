@@ -31,10 +31,9 @@ def in_order_of(t: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     # Dense in the wanted dim order (size-1 dims may sit anywhere): nothing to do.
     if t.permute(want).is_contiguous():
         return t
-    # A copy dense in ``want`` order, viewed back: what ``empty_permuted`` + ``copy_`` would
-    # give, but without a mutation, which the collectives' bucketing and scheduling may not cross.
-    inverse = sorted(range(t.ndim), key=want.__getitem__)
-    return t.permute(want).contiguous().permute(inverse)
+    fixed = torch.empty_permuted(t.shape, want, dtype=t.dtype, device=t.device)
+    fixed.copy_(t)
+    return fixed
 
 
 def match_layout(value: DTensor, traced: torch.Tensor) -> DTensor:

@@ -26,8 +26,10 @@ parameter's gradient is reduced right after the backward's last read of it
 (``buckets.gradient_triggers``), as in the graph the executor records. Its
 window, as the executor computes it: collectives after
 the first of a redistribution read that first one's result and stay alone;
-and one along another tensor dim than the first needs its result at once (an
-all-gather's) or makes its input right there (a reduce-scatter's).
+one along another tensor dim than the first needs its result at once (an
+all-gather's) or makes its input right there (a reduce-scatter's); and the
+executor's copies back into a traced memory layout (``execute/layout.py``)
+are mutations no window crosses.
 
 Not modelled: the overlap scheduler issues an all-gather bucket up to
 ``buckets.IN_FLIGHT`` collectives early, which moves its buffers before its
@@ -50,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
 from torch.distributed.tensor.placement_types import Shard
 
 from torchtitan_autoparallel.planner.cost.cost_model import redistribute_steps
@@ -144,6 +147,7 @@ def planned_collectives(
     candidates, alone = [], []
     param_order = {p: i for i, p in enumerate(n for n in order if n.op == "placeholder")}
     moved = list(_redistributions(chosen, edge_parts))
+    mutations = sorted({position[p.consumer] for p, _, _ in moved if _relaid(p)})
     graph = order[0].graph
     grads = [p.producer for p, _, _ in moved if p.arg_index == GRAD_EDGE]
     reduced_at = {g: position[t] for t, gs in gradient_triggers(graph, grads).items() for g in gs}
@@ -154,7 +158,10 @@ def planned_collectives(
         # move, and its result read at the very end.
         at = reduced_at[part.producer] + 1 if grad else position[part.consumer]
         end = len(order) + 1 if grad else _first_use(part.consumer, position, len(order))
-        start = position[part.producer]
+        # No collective is merged across a mutation (bucketing.py): its window stops there.
+        before = bisect.bisect_left(mutations, at)
+        start = max(position[part.producer], mutations[before - 1] if before else -1)
+        end = min(end, mutations[before]) if before < len(mutations) else end
         for k, step in enumerate(steps):
             if step.kind not in BUCKETED_KINDS:
                 continue
@@ -195,6 +202,21 @@ def _redistributions(
             dst = chosen[part.consumer].outputs[0] if grad else chosen[part.consumer].inputs[part.arg_index]
             if dst is not None and src != dst:
                 yield part, src, dst
+
+
+def _relaid(part: EdgeInfo) -> bool:
+    """Whether the executor copies this moved tensor back into its traced memory layout
+    (``execute/layout.py``: an ``empty_permuted`` and a ``copy_``, a mutation): a
+    redistribution returns a contiguous tensor, and the traced one is laid out otherwise."""
+    if part.arg_index == GRAD_EDGE:
+        return False
+    val = part.producer.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = val[part.output_index]
+    if not isinstance(val, torch.Tensor) or val.ndim < 2 or val.numel() == 0:
+        return False
+    perm, _ = compute_elementwise_output_logical_to_physical_perm(val)
+    return tuple(perm) != tuple(range(val.ndim))
 
 
 def _shard_dim(placements: tuple, mesh_dim: int) -> int | None:
