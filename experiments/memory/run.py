@@ -48,19 +48,26 @@ MESHES = {
     "TP": lambda n: (1, 1, n),
     "FSDPxTP": lambda n: (1, n // 2, 2),
 }
-CASES = [  # (model, ranks, mesh kinds)
-    ("llama3", 2, ("DDP", "FSDP", "TP")),
-    ("llama3", 4, ("DDP", "FSDP", "TP", "FSDPxTP")),
-    ("qwen3", 2, ("DDP", "FSDP", "TP")),
-    ("qwen3", 4, ("DDP", "FSDP", "TP", "FSDPxTP")),
+CASES = [  # (model, flavor, ranks, mesh kinds)
+    ("llama3", "debugmodel", 2, ("DDP", "FSDP", "TP")),
+    ("llama3", "debugmodel", 4, ("DDP", "FSDP", "TP", "FSDPxTP")),
+    ("qwen3", "debugmodel", 2, ("DDP", "FSDP", "TP")),
+    ("qwen3", "debugmodel", 4, ("DDP", "FSDP", "TP", "FSDPxTP")),
+    # 0.6B on a 24 GiB host: its fp32 weights, gradients and AdamW state are 9.6 GB whole,
+    # so only meshes that shard them fit beside the ranks' activations (DDP would hold 19 GB on 2).
+    ("qwen3", "0.6B", 2, ("FSDP", "TP")),
+    ("qwen3", "0.6B", 4, ("FSDP", "FSDPxTP")),
 ]
+# A real model's step on CPU ranks takes minutes at the debug batch: one sequence of 128 tokens.
+FLAVOR_ARGS = {"0.6B": ["--training.local_batch_size", "1", "--training.seq_len", "128"]}
 
 
-def run_case(model: str, ranks: int, kind: str, ac: str, steps: int, timeout: float) -> dict:
+def run_case(model: str, flavor: str, ranks: int, kind: str, ac: str, steps: int, timeout: float) -> dict:
     rep, shard, tp = MESHES[kind](ranks)
     with tempfile.TemporaryDirectory(prefix="memory_") as folder:
         args = [
-            "--model.name", f"{model}_auto_parallel", "--job.dump_folder", folder,
+            "--model.name", f"{model}_auto_parallel", "--model.flavor", flavor, *FLAVOR_ARGS.get(flavor, []),
+            "--job.dump_folder", folder,
             "--training.steps", str(steps), "--metrics.tensor_memory_step", str(steps),
             "--metrics.enable_tensorboard", "false", "--activation_checkpoint.mode", ac,
             "--parallelism.data_parallel_replicate_degree", str(rep),
@@ -70,7 +77,7 @@ def run_case(model: str, ranks: int, kind: str, ac: str, steps: int, timeout: fl
         start = time.perf_counter()
         proc = subprocess.run(["./run_train.sh", *args], cwd=REPO, env={**os.environ, **env},
                               capture_output=True, text=True, timeout=timeout)
-        row = {"case": f"{model} debugmodel", "mesh_kind": kind, "ranks": ranks, "ac": ac,
+        row = {"case": f"{model} {flavor}", "mesh_kind": kind, "ranks": ranks, "ac": ac,
                "wall_s": round(time.perf_counter() - start, 1)}
         measured = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("tensor_memory_rank*.json"))]
         if proc.returncode != 0 or len(measured) != ranks:
@@ -114,7 +121,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", help="run the cases whose model is this (llama3 or qwen3)")
+    p.add_argument("--only", help="run the cases whose model or flavor is this (llama3, qwen3, debugmodel, 0.6B)")
     p.add_argument("--steps", type=int, default=3, help="steps per run; the last one is measured")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--ac", default="none,full", help="activation_checkpoint.mode values to run, comma-separated")
@@ -123,13 +130,13 @@ def main() -> int:
     a = p.parse_args()
     results = HERE / "results.json"
     rows = json.loads(results.read_text())["rows"] if results.exists() else []
-    for (model, ranks, kinds), ac in itertools.product(CASES, a.ac.split(",")):
-        if (a.only and a.only != model) or (a.ranks and str(ranks) not in a.ranks.split(",")):
+    for (model, flavor, ranks, kinds), ac in itertools.product(CASES, a.ac.split(",")):
+        if (a.only and a.only not in (model, flavor)) or (a.ranks and str(ranks) not in a.ranks.split(",")):
             continue
         for kind in kinds:
             if a.mesh and kind not in a.mesh.split(","):
                 continue
-            row = run_case(model, ranks, kind, ac, a.steps, a.timeout)
+            row = run_case(model, flavor, ranks, kind, ac, a.steps, a.timeout)
             rows = merged(rows, row)
             print(json.dumps(row), flush=True)
             results.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
