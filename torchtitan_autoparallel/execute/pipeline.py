@@ -1,6 +1,6 @@
 """Plan on every rank, solve on rank 0, and build the executable step: one call for the trainer.
 
-The stages are the planner's (``planner/plan/api.py::plan_stages``). Every rank
+The stages are the planner's (``planner/plan/api.py::plan_fitting``). Every rank
 traces and enumerates; only rank 0 solves; all ranks check they built the same
 problem before sharing the solution (``agree.py``, passed as the solve hook).
 """
@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_autoparallel.execute.step import FullValues, PlannedStep, build_executable
-from torchtitan_autoparallel.planner.plan.api import ExecutablePlan, plan_stages
+from torchtitan_autoparallel.planner.plan.api import ExecutablePlan, plan_fitting
 from torchtitan_autoparallel.planner.plan.cache import cached_solve_hook, plan_settings
 from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.plan.plan import Plan
@@ -52,8 +52,10 @@ def plan_and_build(
     (``planner/plan/cache.py``); ``cache_settings`` adds to the key what the traced
     graph cannot show (model config, knobs)."""
     start = time.perf_counter()
-    hook = cached_solve_hook(plan_cache_dir, plan_settings(mesh, options, cache_settings))
-    executable = plan_stages(model, mesh, options, solve_hook=hook)
+    executable = plan_fitting(
+        model, mesh, options,
+        hook_for=lambda chosen: cached_solve_hook(plan_cache_dir, plan_settings(mesh, chosen, cache_settings)),
+    )  # fmt: skip
     step = build_executable(executable, mesh, full_values(executable.plan), portable_kernels=portable_kernels)
     plan = executable.plan
     plan.timings["place"] = time.perf_counter() - start - plan.timings["total"]

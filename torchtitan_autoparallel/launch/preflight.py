@@ -43,6 +43,11 @@ def check(job: JobConfig, ngpu: int, fake: bool = False) -> None:
         _warn_unused_optimality_check(job)
     else:
         _warn_unused_planner_settings(job)
+        if job.activation_checkpoint.mode == "auto":
+            raise ConfigError(
+                f"activation_checkpoint.mode = 'auto': the planner chooses it, and model.name = {job.model.name!r} "
+                "is parallelised by hand; accepted for it: none, full, selective"
+            )
     checkpoint.check_resume(job, entry.family)
     warn_resumed_changes(job, ngpu, entry.family)
     if not fake:  # a plan for a cluster: the checkpoint folder is the cluster's

@@ -49,7 +49,24 @@ class DimRole:
 
 def plan_words(plan: Plan) -> list[str]:
     """The "what this plan is" paragraph as sentences: one per mesh dim, then the reason."""
-    return [r.sentence for r in dim_roles(plan)] + [budget_reason(plan)]
+    return [r.sentence for r in dim_roles(plan)] + _recompute_words(plan) + [budget_reason(plan)]
+
+
+def _recompute_words(plan: Plan) -> list[str]:
+    """What the backward recomputes, and for activation_checkpoint = "auto" why."""
+    mode, peaks = plan.activation_checkpoint, plan.recompute_peaks
+    what = {"full": "each transformer block's forward", "selective": "part of each transformer block's forward"}
+    if mode == "none":
+        if not peaks:
+            return []
+        return [f"Recomputes nothing: the step's predicted peak, {fmt_bytes(peaks['none'])} per device, fits "
+                "the device (activation_checkpoint auto)."]
+    said = f"Recomputes {what.get(mode, mode)} in the backward"
+    if not peaks:
+        return [f"{said} (activation_checkpoint.mode = {mode})."]
+    over = ", ".join(f"{m} {fmt_bytes(b)}" for m, b in peaks.items() if m != mode)
+    return [f"{said}: the least recomputation that fits the device, where the step would peak at "
+            f"{over} per device (activation_checkpoint auto; {mode}: {fmt_bytes(peaks[mode])})."]
 
 
 def dim_roles(plan: Plan) -> list[DimRole]:

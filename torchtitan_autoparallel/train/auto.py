@@ -27,7 +27,7 @@ from torchtitan_autoparallel.execute.optim import optimizer_step
 from torchtitan_autoparallel.execute.pipeline import plan_and_build
 from torchtitan_autoparallel.mesh.runtime import Runtime
 from torchtitan_autoparallel.planner.cost.profiles import default_profile_name, gpu_profile_name, load_profile
-from torchtitan_autoparallel.planner.plan.api import ExecutablePlan, plan_stages
+from torchtitan_autoparallel.planner.plan.api import ExecutablePlan, NothingFits, plan_fitting
 from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem
 from torchtitan_autoparallel.planner.solve.base import SolverTimeout
@@ -86,12 +86,14 @@ def _warn_unprofiled_gpu(gpu: str, name: str) -> None:
 def planner_options(job: JobConfig, runtime: Runtime, degrees: tuple[int, int, int]) -> PlannerOptions:
     """The planner's options, built once from the job."""
     t, a = job.training, job.autoparallel
+    device = _device_memory_bytes(job, runtime)
     return PlannerOptions(
         global_batch_size=t.local_batch_size * degrees[0] * degrees[1],
         seq_len=t.seq_len,
         param_dtype=_DTYPES[t.mixed_precision_param],
         reduce_dtype=_DTYPES[t.mixed_precision_reduce],
         activation_checkpoint=job.activation_checkpoint.mode,
+        device_memory_gib=device / 2**30 if device else None,
         profile=resolve_profile(job, runtime),
         solver=a.solver,
         ilp_backend=a.ilp_backend,
@@ -117,6 +119,8 @@ def _planning_errors(job: JobConfig) -> Iterator[None]:
     a = job.autoparallel
     try:
         yield
+    except NothingFits as e:
+        raise UserError(f"activation_checkpoint.mode = auto: {e}") from None
     except InfeasibleProblem as e:
         raise UserError(f"autoparallel.memory_budget_gib = {a.memory_budget_gib}: {e}") from None
     except SolverTimeout as e:
@@ -166,7 +170,7 @@ def plan_job(job: JobConfig, runtime: Runtime, model_config, degrees: tuple[int,
     with torch.device("meta"):
         model = model_config.build()
     with _planning_errors(job):
-        stages = plan_stages(model, mesh, planner_options(job, runtime, degrees))
+        stages = plan_fitting(model, mesh, planner_options(job, runtime, degrees))
     if runtime.rank == 0:
         _list_executed_collectives(job, runtime, stages, mesh)
     _report_plan(job, runtime, stages.plan)

@@ -81,7 +81,7 @@ def plan_training_step(model: nn.Module, mesh: DeviceMesh, **options) -> Plan:
 
     Keyword arguments are ``PlannerOptions``' fields; returns only the ``Plan``.
     """
-    return plan_stages(model, mesh, PlannerOptions(**options)).plan
+    return plan_fitting(model, mesh, PlannerOptions(**options)).plan
 
 
 def _loops_for_mesh(plan: Callable[..., ExecutablePlan]) -> Callable[..., ExecutablePlan]:
@@ -161,6 +161,58 @@ def plan_stages(
     plan.timings["total"] = clock.elapsed()
     log.info("planner total %.2f s", plan.timings["total"])
     return ExecutablePlan(plan, traced, built, solution)
+
+
+# activation_checkpoint = "auto" tries these in turn: each recomputes more of the
+# forward in the backward, so costs more step time and holds fewer activations.
+RECOMPUTE_ORDER = ("none", "selective", "full")
+# Of the device's memory, what "auto" leaves unplanned: the allocator's slack and the
+# runtime's own buffers, which the prediction does not count (it reads 0.91-1.19 of the
+# measured peak on CPU ranks: experiments/memory).
+FIT_RESERVE = 0.10
+GIB = 2**30
+
+
+class NothingFits(ValueError):
+    """activation_checkpoint = "auto" found no recomputation whose plan fits the device."""
+
+
+def plan_fitting(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    options: PlannerOptions,
+    *,
+    hook_for: Callable[[PlannerOptions], SolveHook | None] = lambda options: None,
+) -> ExecutablePlan:
+    """``plan_stages``, with each mode's solve hook from ``hook_for``; for
+    ``activation_checkpoint = "auto"``, the first of ``RECOMPUTE_ORDER`` whose
+    whole predicted peak fits the device (less ``FIT_RESERVE``). Raises
+    ``NothingFits`` when not even full recomputation does."""
+    if options.activation_checkpoint != "auto":
+        return plan_stages(model, mesh, options, solve_hook=hook_for(options))
+    device_gib = options.device_memory_gib or options.profile.device_memory_gib
+    usable = device_gib * GIB * (1 - FIT_RESERVE)
+    if not usable:
+        log.info("activation_checkpoint auto: the device's memory is not known (cost profile %s): no recomputation",
+                 options.profile.name)
+        return plan_fitting(model, mesh, options.replace(activation_checkpoint="none"), hook_for=hook_for)
+    peaks: dict[str, float] = {}
+    for mode in RECOMPUTE_ORDER:
+        chosen = options.replace(activation_checkpoint=mode)
+        executable = plan_stages(model, mesh, chosen, solve_hook=hook_for(chosen))
+        peaks[mode] = executable.plan.predicted["peak_bytes_per_device"]
+        fits = peaks[mode] <= usable
+        log.info("activation_checkpoint auto: mode %s: the step peaks at %.2f GiB per device, %s %.2f GiB usable",
+                 mode, peaks[mode] / GIB, "within" if fits else "over", usable / GIB)
+        if fits:
+            executable.plan.recompute_peaks = peaks
+            return executable
+    raise NothingFits(
+        f"no recomputation fits the device: with full recomputation the step peaks at {peaks['full'] / GIB:.2f} "
+        f"GiB per device, of {usable / GIB:.2f} GiB usable ({device_gib:.2f} GiB less the {FIT_RESERVE:.0%} "
+        "reserve); use more ranks, a smaller training.local_batch_size or training.seq_len, or HSDP "
+        "(parallelism.data_parallel_replicate_degree > 1)"
+    )
 
 
 class _StageClock:

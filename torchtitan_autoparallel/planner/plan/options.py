@@ -18,10 +18,10 @@ from torchtitan_autoparallel.planner.trace.trace import BatchSpec, LossFn
 
 SolverName = Literal["ilp", "approx", "auto"]
 IlpBackend = Literal["highs", "cbc"]
-Recompute = Literal["none", "full", "selective"]
+Recompute = Literal["none", "full", "selective", "auto"]
 
 # Fields a solution does not depend on, left out of the plan cache's key.
-_NOT_KEYED = ("export_problem", "loss_fn", "batch")
+_NOT_KEYED = ("export_problem", "loss_fn", "batch", "device_memory_gib")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +34,9 @@ class PlannerOptions:
     within that relative gap. ``memory_budget_gib`` bounds the parameters' bytes
     per device (None: every parameter sharded where it can be).
     ``activation_checkpoint`` traces each transformer block recomputed in the
-    backward; ``strided_sharding`` lets matmuls take the strided shards views
+    backward ("auto": the least recomputation whose whole predicted peak fits
+    ``device_memory_gib``, the device's memory, or the profile's when None:
+    ``api.plan_fitting``); ``strided_sharding`` lets matmuls take the strided shards views
     produce; ``overlap`` credits gathers and reductions hidden behind compute.
     ``loss_fn`` and ``batch`` replace cross-entropy over a token batch for
     models that are not language models.
@@ -53,6 +55,7 @@ class PlannerOptions:
     memory_budget_gib: float | None = None
     export_problem: str | None = None
     activation_checkpoint: Recompute = "none"
+    device_memory_gib: float | None = None
     strided_sharding: bool = False
     overlap: bool = False
     loss_fn: LossFn = cross_entropy_loss

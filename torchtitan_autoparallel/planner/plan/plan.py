@@ -78,6 +78,10 @@ class Plan:
     # (``report/executed.py`` records as dicts): written by a training run once it compiles
     # its step, or by a plan-only run from the step traced on fake tensors; else empty.
     executed_collectives: list[dict[str, Any]] = field(default_factory=list)
+    # The recomputation the step was traced with (activation_checkpoint.mode, or what
+    # "auto" chose), and for "auto" each mode it planned: mode -> whole predicted peak
+    activation_checkpoint: str = "none"
+    recompute_peaks: dict[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------ accessors
 
@@ -160,6 +164,7 @@ def plan_from_solution(
         peak_parts=parts,
         peak_buckets=[{"kind": k, "bytes": b, "packed_bytes": p} for k, b, p in peak.buckets],
         assignment=x.tolist(),
+        activation_checkpoint=traced.activation_checkpoint,
     )
 
 

@@ -1,0 +1,84 @@
+"""activation_checkpoint = "auto": the least recomputation whose whole predicted peak fits the device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from torch.distributed.device_mesh import init_device_mesh
+
+from torchtitan_autoparallel.config import load_config
+from torchtitan_autoparallel.errors import ConfigError
+from torchtitan_autoparallel.launch.preflight import check
+from torchtitan_autoparallel.models.registry import build_meta_model
+from torchtitan_autoparallel.planner.cost.profiles import load_profile
+from torchtitan_autoparallel.planner.plan.api import FIT_RESERVE, NothingFits, plan_training_step
+from torchtitan_autoparallel.planner.plan.plan import Plan
+from torchtitan_autoparallel.report.common import fmt_bytes
+from torchtitan_autoparallel.report.words import plan_words
+
+GIB = 2**30
+pytestmark = pytest.mark.usefixtures("fake_world")
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict:
+    model = build_meta_model("llama3", "debugmodel", n_layers=4)
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+
+    def plan(mode: str, device_gib: float | None = None) -> Plan:
+        return plan_training_step(model, mesh, global_batch_size=8, seq_len=256, profile=load_profile("h100"),
+                                  activation_checkpoint=mode, device_memory_gib=device_gib)
+
+    return {"plan": plan, "none": plan("none"), "full": plan("full")}
+
+
+def _device_gib(usable_bytes: float) -> float:
+    """The device memory whose usable part (less the reserve) is ``usable_bytes``."""
+    return usable_bytes / (1 - FIT_RESERVE) / GIB
+
+
+def test_without_pressure_auto_recomputes_nothing(plans) -> None:
+    none = plans["none"]
+    auto = plans["plan"]("auto", _device_gib(2 * none.predicted["peak_bytes_per_device"]))
+    assert auto.activation_checkpoint == "none" and list(auto.recompute_peaks) == ["none"]
+    assert auto.objective == pytest.approx(none.objective)
+
+
+def test_a_device_the_plain_step_overflows_gets_recomputation(plans) -> None:
+    none, full = plans["none"].predicted["peak_bytes_per_device"], plans["full"].predicted["peak_bytes_per_device"]
+    assert full < none
+    usable = (full + none) / 2
+    auto = plans["plan"]("auto", _device_gib(usable))
+    assert auto.activation_checkpoint in ("selective", "full")
+    assert auto.recompute_peaks["none"] == pytest.approx(none) and auto.recompute_peaks["none"] > usable
+    assert auto.predicted["peak_bytes_per_device"] <= usable
+    # recomputation costs step time: the plan is dearer than the one that does not fit
+    assert auto.objective > plans["none"].objective
+
+
+def test_when_nothing_fits_the_error_names_the_smallest_peak_and_the_knobs(plans) -> None:
+    full = plans["full"].predicted["peak_bytes_per_device"]
+    with pytest.raises(NothingFits) as e:
+        plans["plan"]("auto", _device_gib(full / 2))
+    message = str(e.value)
+    assert f"{full / GIB:.2f} GiB" in message and "\n" not in message
+    for knob in ("more ranks", "training.local_batch_size", "data_parallel_replicate_degree"):
+        assert knob in message
+
+
+def test_auto_is_refused_for_a_hand_written_plan(tmp_path: Path) -> None:
+    job = load_config(["--job.dump_folder", str(tmp_path), "--model.name", "llama3",
+                       "--activation_checkpoint.mode", "auto"])
+    with pytest.raises(ConfigError, match="activation_checkpoint.mode = 'auto'.*accepted for it: none, full, selective"):
+        check(job, 1)
+
+
+def test_the_plan_says_what_it_recomputes_and_why(plans) -> None:
+    none = plans["none"].predicted["peak_bytes_per_device"]
+    auto = plans["plan"]("auto", _device_gib((none + plans["full"].predicted["peak_bytes_per_device"]) / 2))
+    said = " ".join(plan_words(auto))
+    assert "in the backward: the least recomputation that fits the device" in said
+    assert f"none {fmt_bytes(none)}" in said
+    assert not any("Recomputes" in s for s in plan_words(plans["none"]))  # asked for nothing, nothing said
+    assert "(activation_checkpoint.mode = full)" in " ".join(plan_words(plans["full"]))
