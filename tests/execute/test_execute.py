@@ -78,6 +78,10 @@ MESHES = {
     "fsdp2_tp2": ("dp_shard=2,tp=2", ("--local-batch", "1", "--compile", "1")),
     # Qwen3 (grouped-query attention) with attention through the stand-ins a GPU runs.
     "qwen3_fsdp2_tp2_portable": ("dp_shard=2,tp=2", ("--family", "qwen3", "--portable-kernels", "1")),
+    # Each block's forward recomputed in the backward, the collectives bucketed and overlapped:
+    # the gradients reduce-scattered as the backward makes them, beside the recomputation's gathers.
+    "fsdp2_ac_full": ("dp_shard=2", ("--activation-checkpoint", "full", "--compile", "1",
+                                     "--bucket-collectives", "1", "--overlap-execution", "1")),
     # The 3-D mesh (HSDP x TP on 8 ranks) runs through the launcher in test_auto_parity.py.
 }
 

@@ -58,6 +58,7 @@ class ParityConfig:
     strided_sharding: int = 0  # 1: plan with [autoparallel] strided_sharding
     plan_overlap: int = 0  # 1: plan with [autoparallel] overlap (the savings model)
     solver: str = "ilp"  # [autoparallel] solver; approx keeps a 3-D mesh's plan to seconds
+    activation_checkpoint: str = "none"  # the recomputation planned and run (none, selective, full)
 
 
 @dataclass
@@ -135,7 +136,7 @@ def plan_parity(cfg: ParityConfig, mesh, full: nn.Module, layers: int | None = N
             strided_sharding=bool(cfg.strided_sharding),
             overlap=bool(cfg.plan_overlap),
             solver=cfg.solver,
-            **planner_kwargs,
+            **{"activation_checkpoint": cfg.activation_checkpoint, **planner_kwargs},
         ),
         portable_kernels=bool(cfg.portable_kernels),
     )
