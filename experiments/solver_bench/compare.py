@@ -14,6 +14,7 @@ so a busy spell of the shared machine falls on both:
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -25,12 +26,12 @@ def rows(path: str) -> dict[str, dict]:
     return {r["case"]: r for r in json.loads(Path(path).read_text()) if "solvers" in r}
 
 
-def main(before_path: str, after_path: str, cases: list[str]) -> int:
+def main(before_path: str, after_path: str, cases: list[str], solvers: tuple[str, ...] = SOLVERS) -> int:
     before, after = rows(before_path), rows(after_path)
     print("| case | solver | objective us | same objective | s before | s after | after / before |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for case in cases:
-        for solver in SOLVERS:
+        for solver in solvers:
             old = before[case]["solvers"].get(solver, {})
             new = after[case]["solvers"].get(solver, {})
             if "objective" not in new or "objective" not in old:
@@ -42,4 +43,10 @@ def main(before_path: str, after_path: str, cases: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("before")
+    parser.add_argument("after")
+    parser.add_argument("cases", nargs="+")
+    parser.add_argument("--solvers", default=",".join(SOLVERS), help="comma-separated, as in results.json")
+    args = parser.parse_args()
+    sys.exit(main(args.before, args.after, args.cases, tuple(args.solvers.split(","))))
