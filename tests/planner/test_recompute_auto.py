@@ -30,7 +30,10 @@ def plans() -> dict:
         return plan_training_step(model, mesh, global_batch_size=8, seq_len=256, profile=load_profile("h100"),
                                   activation_checkpoint=mode, device_memory_gib=device_gib)
 
-    return {"plan": plan, "none": plan("none"), "full": plan("full")}
+    none, full = plan("none"), plan("full")
+    # a device whose usable memory lies between the two modes' peaks
+    squeezed = (none.predicted["peak_bytes_per_device"] + full.predicted["peak_bytes_per_device"]) / 2
+    return {"plan": plan, "none": none, "full": full, "usable": squeezed, "auto": plan("auto", _device_gib(squeezed))}
 
 
 def _device_gib(usable_bytes: float) -> float:
@@ -48,8 +51,7 @@ def test_without_pressure_auto_recomputes_nothing(plans) -> None:
 def test_a_device_the_plain_step_overflows_gets_recomputation(plans) -> None:
     none, full = plans["none"].predicted["peak_bytes_per_device"], plans["full"].predicted["peak_bytes_per_device"]
     assert full < none
-    usable = (full + none) / 2
-    auto = plans["plan"]("auto", _device_gib(usable))
+    usable, auto = plans["usable"], plans["auto"]
     assert auto.activation_checkpoint in ("selective", "full")
     assert auto.recompute_peaks["none"] == pytest.approx(none) and auto.recompute_peaks["none"] > usable
     assert auto.predicted["peak_bytes_per_device"] <= usable
@@ -76,8 +78,7 @@ def test_auto_is_refused_for_a_hand_written_plan(tmp_path: Path) -> None:
 
 def test_the_plan_says_what_it_recomputes_and_why(plans) -> None:
     none = plans["none"].predicted["peak_bytes_per_device"]
-    auto = plans["plan"]("auto", _device_gib((none + plans["full"].predicted["peak_bytes_per_device"]) / 2))
-    said = " ".join(plan_words(auto))
+    said = " ".join(plan_words(plans["auto"]))
     assert "in the backward: the least recomputation that fits the device" in said
     assert f"none {fmt_bytes(none)}" in said
     assert not any("Recomputes" in s for s in plan_words(plans["none"]))  # asked for nothing, nothing said

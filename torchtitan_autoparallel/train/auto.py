@@ -86,14 +86,14 @@ def _warn_unprofiled_gpu(gpu: str, name: str) -> None:
 def planner_options(job: JobConfig, runtime: Runtime, degrees: tuple[int, int, int]) -> PlannerOptions:
     """The planner's options, built once from the job."""
     t, a = job.training, job.autoparallel
-    device = _device_memory_bytes(job, runtime)
+    gpu = _gpu_memory_bytes(runtime)  # else the planner reads the profile's, as the memory check does
     return PlannerOptions(
         global_batch_size=t.local_batch_size * degrees[0] * degrees[1],
         seq_len=t.seq_len,
         param_dtype=_DTYPES[t.mixed_precision_param],
         reduce_dtype=_DTYPES[t.mixed_precision_reduce],
         activation_checkpoint=job.activation_checkpoint.mode,
-        device_memory_gib=device / 2**30 if device else None,
+        device_memory_gib=gpu / 2**30 if gpu else None,
         profile=resolve_profile(job, runtime),
         solver=a.solver,
         ilp_backend=a.ilp_backend,
@@ -143,10 +143,18 @@ def _report_plan(job: JobConfig, runtime: Runtime, plan) -> None:
 
 def _device_memory_bytes(job: JobConfig, runtime: Runtime) -> float | None:
     """One device's memory: the GPU's own, or for a dry run the cost profile's."""
-    if runtime.device_type == "cuda" and not runtime.fake:
-        return float(torch.cuda.get_device_properties(runtime.device).total_memory)
+    gpu = _gpu_memory_bytes(runtime)
+    if gpu:
+        return gpu
     gib = resolve_profile(job, runtime).device_memory_gib
     return gib * 2**30 if gib > 0 else None
+
+
+def _gpu_memory_bytes(runtime: Runtime) -> float | None:
+    """The real GPU's memory; None on CPU ranks and in a dry run."""
+    if runtime.device_type == "cuda" and not runtime.fake:
+        return float(torch.cuda.get_device_properties(runtime.device).total_memory)
+    return None
 
 
 def _write_plan_report(job: JobConfig, plan, folder: Path) -> None:

@@ -195,7 +195,8 @@ def plan_fitting(
     if not usable:
         log.info("activation_checkpoint auto: the device's memory is not known (cost profile %s): no recomputation",
                  options.profile.name)
-        return plan_fitting(model, mesh, options.replace(activation_checkpoint="none"), hook_for=hook_for)
+        none = options.replace(activation_checkpoint="none")
+        return plan_stages(model, mesh, none, solve_hook=hook_for(none))
     peaks: dict[str, float] = {}
     for mode in RECOMPUTE_ORDER:
         chosen = options.replace(activation_checkpoint=mode)

@@ -204,6 +204,11 @@ def _redistributions(
                 yield part, src, dst
 
 
+def _shard_dim(placements: tuple, mesh_dim: int) -> int | None:
+    p = placements[mesh_dim]
+    return p.dim if isinstance(p, Shard) else None
+
+
 def _relaid(part: EdgeInfo) -> bool:
     """Whether the executor copies this moved tensor back into its traced memory layout
     (``execute/layout.py``: an ``empty_permuted`` and a ``copy_``, a mutation): a
@@ -217,11 +222,6 @@ def _relaid(part: EdgeInfo) -> bool:
         return False
     perm, _ = compute_elementwise_output_logical_to_physical_perm(val)
     return tuple(perm) != tuple(range(val.ndim))
-
-
-def _shard_dim(placements: tuple, mesh_dim: int) -> int | None:
-    p = placements[mesh_dim]
-    return p.dim if isinstance(p, Shard) else None
 
 
 def _first_use(consumer: fx.Node, position: dict[fx.Node, int], end_of_step: int) -> int:
