@@ -107,6 +107,24 @@ def test_losses_equal_single_device(name, tmp_path_factory):
 
 
 @pytest.mark.multirank
+def test_a_plan_fitted_to_a_small_device_trains_as_one_device(tmp_path_factory):
+    """FSDP 2 planned for a device holding 0.97 of the unbounded plan's peak: the solve
+    keeps weights sharded through the backward (dearer, smaller), and the losses stay
+    the 1-rank run's. Sequence 128: at 32 the peak is the parameters' state, which no plan
+    shrinks."""
+    result = run_parity("dp_shard=2", "--seq-len", "128", "--fit-share", "0.97",
+                        tmp=tmp_path_factory.mktemp("fit"))
+    assert "error" not in result, result["error"]
+    fit = result["fit"]
+    print(f"\nfit: {fit}")
+    assert fit["peak"] <= fit["usable"] < fit["free_peak"]
+    assert fit["objective"] > fit["free_objective"]
+    want = reference_losses(ParityConfig(seq_len=128))
+    for step, (got, ref) in enumerate(zip(result["losses"], want, strict=True)):
+        assert abs(got - ref) <= REL_TOL * abs(ref), f"step {step}: {got} vs {ref}"
+
+
+@pytest.mark.multirank
 def test_audit_fsdp_executes_the_planned_collectives(tmp_path_factory):
     mesh, flags = MESHES["fsdp2"]
     result = run_parity(mesh, *flags, tmp=tmp_path_factory.mktemp("fsdp2"))

@@ -35,6 +35,7 @@ from torchtitan_autoparallel.mesh.runtime import exit_process
 from torchtitan_autoparallel.models.loss import cross_entropy_loss
 from torchtitan_autoparallel.models.registry import build_meta_model, build_model_config
 from torchtitan_autoparallel.planner.cost.profiles import load_profile
+from torchtitan_autoparallel.planner.plan.api import FIT_RESERVE
 from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.strategies.strided import has_strided
 
@@ -59,6 +60,8 @@ class ParityConfig:
     plan_overlap: int = 0  # 1: plan with [autoparallel] overlap (the savings model)
     solver: str = "ilp"  # [autoparallel] solver; approx keeps a 3-D mesh's plan to seconds
     activation_checkpoint: str = "none"  # the recomputation planned and run (none, selective, full)
+    # > 0: plan for a device whose usable memory is this share of the unbounded plan's peak
+    fit_share: float = 0.0
 
 
 @dataclass
@@ -74,6 +77,8 @@ class ParityResult:
     plan_timings: dict[str, float] = field(default_factory=dict)
     step_seconds: list[float] = field(default_factory=list)
     strided_nodes: int = 0  # planned nodes with a _StridedShard input or output
+    # with fit_share: the unbounded plan's and the fitted plan's peaks and step costs, the usable bytes
+    fit: dict[str, float] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- shared by both sides
@@ -156,8 +161,15 @@ def run_planned(
     # --mismatch: rank 1 traces one layer fewer, to show the agreement check fires.
     layers = cfg.layers - 1 if mismatch and dist.get_rank() == 1 else cfg.layers
     planned = plan_parity(cfg, mesh, full, layers)
+    fit = {}
+    if cfg.fit_share:
+        free = planned.plan
+        usable = cfg.fit_share * free.predicted["peak_bytes_per_device"]
+        planned = plan_parity(cfg, mesh, full, layers, device_memory_gib=usable / (1 - FIT_RESERVE) / 2**30)
+        fit = {"usable": usable, "free_peak": free.predicted["peak_bytes_per_device"], "free_objective": free.objective,
+               "peak": planned.plan.predicted["peak_bytes_per_device"], "objective": planned.plan.objective}
     step = planned.step
-    result = ParityResult(losses=[], grad_norms=[], plan_timings=dict(planned.plan.timings))
+    result = ParityResult(losses=[], grad_norms=[], plan_timings=dict(planned.plan.timings), fit=fit)
     result.strided_nodes = _strided_nodes(planned)
     if do_audit:
         expected, executed = audit(step, planned.plan, *batch(cfg, 0, _vocab(full)))

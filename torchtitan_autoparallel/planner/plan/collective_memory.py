@@ -78,6 +78,12 @@ class Span:
     last: int
     bytes: float
     kind: str  # COLLECTIVE, WEIGHT or ACTIVATION
+    # of ``bytes``: the redistributed inputs it holds, each with its bytes in this plan
+    # (what a memory row moves with the consumer's choice: ``peak_rows``)
+    holds: tuple[tuple[EdgeInfo, float], ...] = ()
+    # whose placement sizes them: the consumer's input (a gather's) or the producer's output
+    # (a reduce-scatter's unreduced input)
+    held_by: str = "consumer"
 
 
 @dataclass
@@ -241,9 +247,11 @@ def _gather_spans(bucket: list[PlannedCollective], position: dict[fx.Node, int],
     wait = min(c.end for c in bucket)
     full = sum(c.nbytes for c in bucket)
     packed = sum(c.local_bytes for c in bucket)
-    spans = [Span(wait, wait, packed + full + backend_scratch_bytes("all_gather", full, gloo), COLLECTIVE)]
+    holds = tuple((c.part, c.local_bytes + c.nbytes) for c in bucket)
+    spans = [Span(wait, wait, packed + full + backend_scratch_bytes("all_gather", full, gloo), COLLECTIVE, holds)]
     for c in bucket:  # its own copy, from the merged wait to the op that reads it
-        spans.append(Span(wait + 1, position[c.part.consumer] - 1, c.nbytes, WEIGHT if c.weight else ACTIVATION))
+        kind = WEIGHT if c.weight else ACTIVATION
+        spans.append(Span(wait + 1, position[c.part.consumer] - 1, c.nbytes, kind, ((c.part, c.nbytes),)))
     return [s for s in spans if s.first <= s.last]
 
 
@@ -268,7 +276,7 @@ def _scatter(
     later = bisect.bisect_right(issues, issue)
     wait = min(min(c.end for c in bucket), issues[later] if later < len(issues) else last, last)
     full = sum(c.nbytes for c in bucket)
-    out.spans.append(Span(issue, wait, full, COLLECTIVE))
+    out.spans.append(Span(issue, wait, full, COLLECTIVE, tuple((c.part, c.nbytes) for c in bucket), "producer"))
     # Packing frees the members' inputs before the backend copies the packed buffer:
     # its scratch comes one position later. At the step's last position the inputs,
     # as large as that scratch, stand for it.

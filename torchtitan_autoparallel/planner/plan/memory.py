@@ -33,11 +33,13 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 from torch import fx
 
 from torchtitan_autoparallel.planner.plan.collective_memory import (
     COLLECTIVE,
     WEIGHT,
+    ExecutedCollectives,
     Span,
     bucket_bytes,
     executed_collectives,
@@ -138,25 +140,11 @@ def predicted_peak(
     """Largest per-device total of live step-produced tensors (see the module docstring),
     where in the step it is reached, and what is live there. ``gloo``: the collectives run
     on gloo, which adds its scratch buffers (``buckets.backend_scratch_bytes``)."""
-    t = _timeline(traced, chosen, edge_parts, mesh_sizes)
+    t, executed = walk(traced, chosen, edge_parts, mesh_sizes, gloo)
+    totals = live_totals(t)
+    at = int(np.argmax(totals)) if len(totals) else 0
+    peak = float(totals[at]) if len(totals) else 0.0
     copies = _weight_copies(traced)
-    executed = executed_collectives(t.order, chosen, edge_parts, mesh_sizes, copies | set(traced.params.values()), gloo)
-    _hold(t, executed.held_until)
-    t.spans = executed.spans
-    frees: dict[int, float] = defaultdict(float)
-    for owner, nbytes in t.size.items():
-        frees[t.last_use[owner]] += nbytes
-    opens: dict[int, float] = defaultdict(float)
-    for span in t.spans:
-        opens[span.first] += span.bytes
-        frees[span.last] += span.bytes
-    live = peak = 0.0
-    at = 0
-    for i, node in enumerate(t.order):
-        live += t.size.get(node, 0.0) + t.kept.get(i, 0.0) + opens.get(i, 0.0)
-        if live + t.transient.get(i, 0.0) > peak:
-            peak, at = live + t.transient.get(i, 0.0), i
-        live -= frees.get(i, 0.0)
     weight_bytes = sum(nbytes for owner, nbytes in _live_at(t, at) if owner in copies)
     weight_bytes += sum(s.bytes for s in _spans_at(t, at) if s.kind == WEIGHT)
     grads = sum(b for i, b in t.kept.items() if i <= at)
@@ -166,6 +154,41 @@ def predicted_peak(
         peak, t.order[at].name, parts, weight_bytes, grads, t.transient.get(at, 0.0), collective,
         bucket_bytes(executed.buckets),
     )  # fmt: skip
+
+
+def walk(
+    traced: TracedStep,
+    chosen: Mapping[fx.Node, Strategy],
+    edge_parts: list[list[EdgeInfo]],
+    mesh_sizes: tuple[int, ...],
+    gloo: bool = False,
+) -> tuple[_Timeline, ExecutedCollectives]:
+    """The planned step's allocations and lifetimes, the executed collectives' holds and
+    buffers included: what ``predicted_peak`` scans and ``peak_rows`` reads."""
+    t = _timeline(traced, chosen, edge_parts, mesh_sizes)
+    copies = _weight_copies(traced)
+    executed = executed_collectives(t.order, chosen, edge_parts, mesh_sizes, copies | set(traced.params.values()), gloo)
+    _hold(t, executed.held_until)
+    t.spans = executed.spans
+    return t, executed
+
+
+def live_totals(t: _Timeline) -> np.ndarray:
+    """Bytes live at each graph position, the running op's redistributed inputs included."""
+    frees: dict[int, float] = defaultdict(float)
+    for owner, nbytes in t.size.items():
+        frees[t.last_use[owner]] += nbytes
+    opens: dict[int, float] = defaultdict(float)
+    for span in t.spans:
+        opens[span.first] += span.bytes
+        frees[span.last] += span.bytes
+    totals = np.zeros(len(t.order))
+    live = 0.0
+    for i, node in enumerate(t.order):
+        live += t.size.get(node, 0.0) + t.kept.get(i, 0.0) + opens.get(i, 0.0)
+        totals[i] = live + t.transient.get(i, 0.0)
+        live -= frees.get(i, 0.0)
+    return totals
 
 
 def _hold(t: _Timeline, held_until: dict[fx.Node, int]) -> None:

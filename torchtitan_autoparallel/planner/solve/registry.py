@@ -133,6 +133,11 @@ def _ilp(backend: str, mip_gap: float | None) -> Solver:
     raise ValueError(f"unknown ILP backend {backend!r}; accepted: {', '.join(BACKENDS)}")
 
 
+def exact_solver(backend: str, mip_gap: float | None = None) -> Solver:
+    """The bare exact solver of ``backend``, no presolve around it: what ``rows`` drives."""
+    return _ilp(backend, mip_gap)
+
+
 def _presolved(solver: Solver, presolve: bool, check: bool) -> Solver:
     """``solver`` behind the exact presolve; the LP check (if any) runs on the reduced problem."""
     if presolve and isinstance(solver, HighsILPSolver):

@@ -113,7 +113,7 @@ class OverlapPresolved:
     def terms(self, base: IlpModel) -> OverlapTerms:
         """Compute and communication terms of the original problem over ``base``'s columns
         (``base`` is ``build_ilp(self.reduced)``)."""
-        pricer = _Pricer(self.pre, ColumnIndex(base))
+        pricer = ReducedPricer(self.pre, ColumnIndex(base))
         problem = self.pre.original
         compute = LinearBuilder()
         for j in range(problem.num_nodes):
@@ -127,7 +127,7 @@ class OverlapPresolved:
                             prefetch, anchor, comm.build(), pricer.slack)
 
 
-class _Pricer:
+class ReducedPricer:
     """Writes one original node's or edge's term over the reduced ILP's columns."""
 
     def __init__(self, pre: Presolved, index: ColumnIndex) -> None:
@@ -168,7 +168,7 @@ class _Pricer:
             return
         # eliminated: one strategy left, or a choice that prices nothing but energy
         if not (values == values[0]).all():
-            raise RuntimeError(f"overlap presolve: the {what} varies on an eliminated node")
+            raise RuntimeError(f"presolve: the {what} varies on an eliminated node")
         out.add(float(values[0]))
 
     def _pair(self, out: LinearBuilder, a: int, b: int, sub: np.ndarray) -> None:
@@ -188,7 +188,7 @@ class _Pricer:
 
     def _require_fixed(self, g: int, what: str) -> None:
         if len(self.domain[g]) != 1:
-            raise RuntimeError(f"overlap presolve: an end of {what} was eliminated with a choice left")
+            raise RuntimeError(f"presolve: an end of {what} was eliminated with a choice left")
 
 
 def overlap_presolve(problem: Problem, spec: OverlapSpec) -> OverlapPresolved:
