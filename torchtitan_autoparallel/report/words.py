@@ -49,7 +49,22 @@ class DimRole:
 
 def plan_words(plan: Plan) -> list[str]:
     """The "what this plan is" paragraph as sentences: one per mesh dim, then the reason."""
-    return [r.sentence for r in dim_roles(plan)] + _recompute_words(plan) + [budget_reason(plan)]
+    return [r.sentence for r in dim_roles(plan)] + _recompute_words(plan) + _fit_words(plan) + [budget_reason(plan)]
+
+
+def _fit_words(plan: Plan) -> list[str]:
+    """Why the plan is not the cheapest one: the cheapest overflowed the device."""
+    fit = plan.memory_fit
+    if not fit:
+        return []
+    price = 100 * (plan.objective / fit["unbounded_objective"] - 1)
+    head = (f"The cheapest plan would peak at {fmt_bytes(fit['unbounded_peak_bytes'])} per device, over the "
+            f"{fmt_bytes(fit['usable_bytes'])} usable")
+    if not fit["fits"]:
+        return [f"{head}; solved again under memory rows, no plan found fits: this one peaks lowest, at "
+                f"{fmt_bytes(fit['peak_bytes'])} ({price:+.1f}% step time)."]
+    return [f"{head}; this one, solved under that bound, peaks at {fmt_bytes(fit['peak_bytes'])} for "
+            f"{price:+.1f}% step time."]
 
 
 def _recompute_words(plan: Plan) -> list[str]:
@@ -65,8 +80,8 @@ def _recompute_words(plan: Plan) -> list[str]:
     if not peaks:
         return [f"{said} (activation_checkpoint.mode = {mode})."]
     over = ", ".join(f"{m} {fmt_bytes(b)}" for m, b in peaks.items() if m != mode)
-    return [f"{said}: the least recomputation that fits the device, where the step would peak at "
-            f"{over} per device (activation_checkpoint auto; {mode}: {fmt_bytes(peaks[mode])})."]
+    return [f"{said}: of the recomputation modes whose plan fits the device, the one of least step time; the "
+            f"others' plans peak at {over} per device (activation_checkpoint auto; {mode}: {fmt_bytes(peaks[mode])})."]
 
 
 def dim_roles(plan: Plan) -> list[DimRole]:

@@ -194,9 +194,11 @@ def plan_fitting(
     hook_for: Callable[[PlannerOptions], SolveHook | None] = lambda options: None,
 ) -> ExecutablePlan:
     """``plan_stages``, with each mode's solve hook from ``hook_for``; for
-    ``activation_checkpoint = "auto"``, the first of ``RECOMPUTE_ORDER`` whose
-    whole predicted peak fits the device (less ``FIT_RESERVE``). Raises
-    ``NothingFits`` when not even full recomputation does."""
+    ``activation_checkpoint = "auto"``, of the modes of ``RECOMPUTE_ORDER`` whose plan
+    fits the device (less ``FIT_RESERVE``; each solve already trades step time for
+    memory, ``peak_rows.fit_peak``), the one of least step time. The first mode whose
+    cheapest plan fits as it is ends the search: recomputing more only adds time.
+    Raises ``NothingFits`` when no mode's plan fits."""
     if options.activation_checkpoint != "auto":
         return plan_stages(model, mesh, options, solve_hook=hook_for(options))
     usable = usable_bytes(options)
@@ -206,16 +208,23 @@ def plan_fitting(
         none = options.replace(activation_checkpoint="none")
         return plan_stages(model, mesh, none, solve_hook=hook_for(none))
     peaks: dict[str, float] = {}
+    fitting: list[ExecutablePlan] = []
     for mode in RECOMPUTE_ORDER:
         chosen = options.replace(activation_checkpoint=mode)
         executable = plan_stages(model, mesh, chosen, solve_hook=hook_for(chosen))
-        peaks[mode] = executable.plan.predicted["peak_bytes_per_device"]
+        plan = executable.plan
+        peaks[mode] = plan.predicted["peak_bytes_per_device"]
         fits = peaks[mode] <= usable
-        log.info("activation_checkpoint auto: mode %s: the step peaks at %.2f GiB per device, %s %.2f GiB usable",
-                 mode, peaks[mode] / GIB, "within" if fits else "over", usable / GIB)
+        log.info("activation_checkpoint auto: mode %s: the step peaks at %.2f GiB per device, %s %.2f GiB usable; "
+                 "step %.1f us", mode, peaks[mode] / GIB, "within" if fits else "over", usable / GIB, plan.objective)
         if fits:
-            executable.plan.recompute_peaks = peaks
-            return executable
+            fitting.append(executable)
+            if not plan.memory_fit:
+                break
+    if fitting:
+        best = min(fitting, key=lambda e: e.plan.objective)
+        best.plan.recompute_peaks = peaks
+        return best
     raise NothingFits(
         f"no recomputation fits the device: with full recomputation the step peaks at {peaks['full'] / GIB:.2f} "
         f"GiB per device, of {usable / GIB:.2f} GiB usable ({_device_gib(options):.2f} GiB less the {FIT_RESERVE:.0%} "

@@ -113,6 +113,7 @@ def store_entry(path: Path, key: str, solution: Solution, settings: Mapping[str,
         "solver": solution.solver,
         "status": solution.status,
         "seconds": float(solution.seconds),
+        "memory_fit": {k: float(v) for k, v in solution.memory_fit.items()},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -183,6 +184,7 @@ def _solution_from(entry: dict) -> Solution:
             solver=str(entry["solver"]),
             status=str(entry["status"]),
             seconds=float(entry["seconds"]),
+            memory_fit={str(k): float(v) for k, v in entry.get("memory_fit", {}).items()},
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CacheEntryError(f"malformed entry ({type(e).__name__}: {e})") from None

@@ -21,7 +21,7 @@ IlpBackend = Literal["highs", "cbc"]
 Recompute = Literal["none", "full", "selective", "auto"]
 
 # Fields a solution does not depend on, left out of the plan cache's key.
-_NOT_KEYED = ("export_problem", "loss_fn", "batch", "device_memory_gib")
+_NOT_KEYED = ("export_problem", "loss_fn", "batch")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -213,6 +213,11 @@ def _reach(t: _Timeline, node: fx.Node) -> int:
 # for the lowest peak it found: a step's peak moves between a few positions (the start
 # of the backward, each block's recomputation), so a few rounds bound them all.
 PEAK_ROUNDS = 8
+# Stop early when STALL_ROUNDS rounds in a row lowered the lowest peak by less than this share:
+# the rows then chase the linear estimate's error, not a plan that fits.
+STALL_SHARE = 0.01
+STALL_ROUNDS = 3
+ROUND_SHARE = 0.1  # of the time limit, the most one round's solve may take (its best plan is kept)
 ROWS_PER_ROUND = 4  # the worst positions over the limit, each at least a window apart
 WINDOW_SHARE = 1 / 64  # of the graph's length: nearer positions hold nearly the same tensors
 
@@ -235,33 +240,48 @@ def fit_peak(
 ) -> Solution:
     """``solution``, or when its whole peak exceeds ``usable`` bytes, the cheapest plan the
     solve finds under rows at the positions over it (module docstring). Each round walks
-    the new plan and rewrites the rows of the positions still over from it, so a row's
-    linear estimate is exact at the latest plan. Keeps the lowest peak, with a
-    warning, when none fits."""
+    the new plan and adds the rows of the positions still over, read from it: each is
+    exact at the plan it was read from, which it cuts off, so no plan comes back and the
+    rounds make progress. Keeps the lowest peak, with a warning, when none fits; either
+    way ``memory_fit`` says what was done."""
     memory = StepMemory(built, traced, solution.assignment)
     if memory.peak <= usable:
         return solution
     start = time.perf_counter()
-    rows: dict[int, MemoryRow] = {}
-    best, first_cost = (memory.peak, solution), solution.objective
-    for _ in range(PEAK_ROUNDS):
-        for at in over_limit(memory.totals, usable):
-            rows[at] = memory.row(at, usable)
+    unbounded = {"usable_bytes": usable, "unbounded_peak_bytes": memory.peak,
+                 "unbounded_objective": float(solution.objective)}
+    rows: list[MemoryRow] = []
+    best = (memory.peak, solution)
+    stalled = 0
+    for rounds in range(1, PEAK_ROUNDS + 1):
+        rows.extend(memory.row(at, usable) for at in over_limit(memory.totals, usable))
         log.info("peak %.2f GiB per device at %s is over %.2f GiB usable: solving again under %d memory row(s)",
                  memory.peak / GIB, memory.t.order[memory.at].name, usable / GIB, len(rows))
-        left = None if time_limit_s is None else max(time_limit_s - (time.perf_counter() - start), 1.0)
+        left = None if time_limit_s is None else max(
+            min(time_limit_s - (time.perf_counter() - start), ROUND_SHARE * time_limit_s), 1.0)
         try:
-            solution = solve_with_rows(built.problem, list(rows.values()), left, solver)
+            solution = solve_with_rows(built.problem, rows, left, solver)
         except InfeasibleProblem as e:
             log.warning("no plan fits: %s", e)
             break
         memory = StepMemory(built, traced, solution.assignment)
+        stalled = stalled + 1 if memory.peak > best[0] * (1 - STALL_SHARE) else 0
         if memory.peak < best[0]:
             best = (memory.peak, solution)
         if memory.peak <= usable:
             log.info("the plan fits: peak %.2f GiB per device, step %.1f us (%.1f%% over the plan that does not fit)",
-                     memory.peak / GIB, solution.objective, 100 * (solution.objective / first_cost - 1))
-            return solution
-    log.warning("keeping the plan of the lowest peak found, %.2f GiB per device, over %.2f GiB usable",
-                best[0] / GIB, usable / GIB)
-    return best[1]
+                     memory.peak / GIB, solution.objective, 100 * (solution.objective / unbounded["unbounded_objective"] - 1))
+            break
+        if stalled == STALL_ROUNDS:
+            log.warning("%d rounds of memory rows lowered the peak by less than %.0f%%: stopping", STALL_ROUNDS, 100 * STALL_SHARE)
+            break
+        if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
+            log.warning("the time limit (%s s) stopped the memory rounds", time_limit_s)
+            break
+    if best[0] > usable:
+        log.warning("keeping the plan of the lowest peak found, %.2f GiB per device, over %.2f GiB usable",
+                    best[0] / GIB, usable / GIB)
+    peak, kept = best
+    kept.memory_fit = {**unbounded, "peak_bytes": peak, "rounds": float(rounds), "rows": float(len(rows)),
+                       "fits": float(peak <= usable)}
+    return kept

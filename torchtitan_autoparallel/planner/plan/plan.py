@@ -82,6 +82,9 @@ class Plan:
     # "auto" chose), and for "auto" each mode it planned: mode -> whole predicted peak
     activation_checkpoint: str = "none"
     recompute_peaks: dict[str, float] = field(default_factory=dict)
+    # When the cheapest plan overflowed the device and was solved again under memory rows:
+    # ``Solution.memory_fit`` (usable and reached peaks, the unbounded plan's peak and cost)
+    memory_fit: dict[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------ accessors
 
@@ -165,6 +168,7 @@ def plan_from_solution(
         peak_buckets=[{"kind": k, "bytes": b, "packed_bytes": p} for k, b, p in peak.buckets],
         assignment=x.tolist(),
         activation_checkpoint=traced.activation_checkpoint,
+        memory_fit=dict(solution.memory_fit),
     )
 
 

@@ -4,7 +4,7 @@ ways they fail without a plan (no time left; a memory budget below the smallest 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -22,6 +22,10 @@ class Solution:
     solver: str  # e.g. "ilp-highs", "ilp-cbc", "brute-force"
     status: str  # "optimal" | "time_limit" | "feasible"
     seconds: float
+    # when the plan was solved again to fit the device (``plan.peak_rows.fit_peak``):
+    # usable_bytes, peak_bytes, and the unbounded plan's unbounded_peak_bytes and
+    # unbounded_objective; rounds, rows; fits (1.0 or 0.0)
+    memory_fit: dict[str, float] = field(default_factory=dict)
 
     @property
     def gap(self) -> float:
