@@ -16,6 +16,7 @@ from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.cost.profiles import load_profile
 from torchtitan_autoparallel.planner.plan.api import FIT_RESERVE, NothingFits, plan_training_step
 from torchtitan_autoparallel.planner.plan.plan import Plan
+from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem
 from torchtitan_autoparallel.report.common import fmt_bytes
 from torchtitan_autoparallel.report.words import plan_words
 
@@ -101,3 +102,29 @@ def test_the_plan_says_what_it_recomputes_and_why(plans) -> None:
     assert f"none {fmt_bytes(plans['auto'].recompute_peaks['none'])}" in said
     assert not any("Recomputes" in s for s in plan_words(plans["none"]))  # asked for nothing, nothing said
     assert "(activation_checkpoint.mode = full)" in " ".join(plan_words(plans["full"]))
+
+
+def test_a_budget_of_six_tenths_of_the_free_peak_is_met(plans) -> None:
+    """memory_budget_gib bounds the whole peak: at 0.6 of the default plan's the plan fits,
+    without recomputation. (A given budget also frees the parameters from being sharded
+    fully, so the plan may be cheaper than the default's: here it is.)"""
+    none = plans["none"]
+    budget = 0.6 * none.predicted["peak_bytes_per_device"]
+    fitted = plan_training_step(build_meta_model("llama3", "debugmodel", n_layers=4),
+                                init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",)),
+                                global_batch_size=8, seq_len=256, profile=load_profile("h100"),
+                                memory_budget_gib=budget / GIB)
+    assert fitted.predicted["peak_bytes_per_device"] <= budget
+    assert fitted.activation_checkpoint == "none"
+
+
+def test_a_budget_no_plan_meets_is_one_line_naming_the_lowest_peak(plans) -> None:
+    full = plans["full"].predicted["peak_bytes_per_device"]
+    with pytest.raises(InfeasibleProblem) as e:
+        plan_training_step(build_meta_model("llama3", "debugmodel", n_layers=4),
+                           init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",)),
+                           global_batch_size=8, seq_len=256, profile=load_profile("h100"),
+                           memory_budget_gib=full / 3 / GIB)
+    message = str(e.value)
+    assert "\n" not in message and f"within the memory budget of {full / 3 / GIB:.2f} GiB" in message
+    assert "the lowest found peaks at" in message and "activation_checkpoint.mode = full or auto" in message

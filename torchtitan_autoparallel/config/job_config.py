@@ -175,7 +175,7 @@ class AutoParallel:
     solver: str = "ilp"
     ilp_backend: str = "highs"
     time_limit_s: float = 300.0  # the solver's; reached, it returns its best plan with a certified gap
-    memory_budget_gib: float | None = None  # parameter memory per device; None: the smallest feasible
+    memory_budget_gib: float | None = None  # the whole peak per device; None: weights sharded, the device less 10%
     overlap: bool = False  # price compute/communication overlap in the plan
     strided_sharding: bool = False  # let FSDP x TP shard one dimension twice (_StridedShard)
     optimality_check: bool = False  # solve the LP bound too and log the plan's certified gap

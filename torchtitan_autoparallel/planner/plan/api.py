@@ -29,7 +29,7 @@ from torchtitan_autoparallel.planner.plan.overlap import add_overlap_prediction,
 from torchtitan_autoparallel.planner.plan.peak_rows import fit_peak
 from torchtitan_autoparallel.planner.plan.plan import Plan, plan_from_solution
 from torchtitan_autoparallel.planner.problem.build import BuiltProblem, build_problem
-from torchtitan_autoparallel.planner.problem.problem import Problem
+from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solve import get_solver
 from torchtitan_autoparallel.planner.solve.base import Solution
 from torchtitan_autoparallel.planner.solve.registry import choose, exact_solver, overlap_solver
@@ -105,8 +105,9 @@ def plan_stages(
     """Trace, enumerate, build, solve and decode one training step on ``mesh``.
 
     ``model`` may live on the meta device; nothing is allocated. Raises
-    ``InfeasibleProblem`` (naming the smallest feasible budget) when
-    ``options.memory_budget_gib`` cannot hold the parameters. ``solve_hook``
+    ``InfeasibleProblem`` when ``options.memory_budget_gib`` cannot hold the
+    parameters (naming the smallest budget that does) or no plan found keeps the whole
+    peak within it (naming the lowest peak found). ``solve_hook``
     replaces the plain solve (the trainer's solves on rank 0 and shares it).
     """
     o = options
@@ -160,6 +161,7 @@ def plan_stages(
     plan = plan_from_solution(solution, built, traced, clock.timings)
     if spec is not None:
         add_overlap_prediction(plan, built, spec, solution.assignment)
+    _check_budget(plan, o)
     _add_step_terms(plan, traced, o.profile)
     clock.lap("plan")
     plan.peak_rss_gib = clock.peak_rss
@@ -226,11 +228,13 @@ def plan_fitting(
         best.plan.recompute_peaks = peaks
         return best
     raise NothingFits(
-        f"no recomputation fits the device: with full recomputation the step peaks at {peaks['full'] / GIB:.2f} "
-        f"GiB per device, of {usable / GIB:.2f} GiB usable ({_device_gib(options):.2f} GiB less the {FIT_RESERVE:.0%} "
-        "reserve); use more ranks, a smaller training.local_batch_size or training.seq_len, or HSDP "
-        "(parallelism.data_parallel_replicate_degree > 1)"
+        f"no recomputation fits: with full recomputation the step peaks at {peaks['full'] / GIB:.2f} GiB per "
+        f"device at the lowest, over {_usable_words(options)}; {KNOBS}"
     )
+
+
+KNOBS = ("use more ranks, a smaller training.local_batch_size or training.seq_len, or HSDP "
+         "(parallelism.data_parallel_replicate_degree > 1)")
 
 
 def _device_gib(options: PlannerOptions) -> float:
@@ -238,9 +242,31 @@ def _device_gib(options: PlannerOptions) -> float:
 
 
 def usable_bytes(options: PlannerOptions) -> float:
-    """The bytes per device a plan may peak at: the device's memory less ``FIT_RESERVE``
-    (0 when the device's memory is not known: CPU ranks)."""
+    """The bytes per device a plan may peak at: ``memory_budget_gib`` when given, else
+    the device's memory less ``FIT_RESERVE`` (0 when not known: CPU ranks)."""
+    if options.memory_budget_gib is not None:
+        return options.memory_budget_gib * GIB
     return _device_gib(options) * GIB * (1 - FIT_RESERVE)
+
+
+def _usable_words(options: PlannerOptions) -> str:
+    usable = usable_bytes(options) / GIB
+    if options.memory_budget_gib is not None:
+        return f"the memory budget of {usable:.2f} GiB"
+    return f"{usable:.2f} GiB usable ({_device_gib(options):.2f} GiB less the {FIT_RESERVE:.0%} reserve)"
+
+
+def _check_budget(plan: Plan, options: PlannerOptions) -> None:
+    """A budget the user gave is a promise: a plan over it is an error, not a warning
+    (over the device's own memory the trainer warns: the peak is an estimate)."""
+    peak = plan.predicted["peak_bytes_per_device"]
+    if options.memory_budget_gib is None or options.activation_checkpoint == "auto" or peak <= usable_bytes(options):
+        return
+    raise InfeasibleProblem(
+        f"no plan found keeps the step's peak within {_usable_words(options)}: the lowest found peaks at "
+        f"{peak / GIB:.2f} GiB per device with activation_checkpoint.mode = {options.activation_checkpoint}; "
+        f"{KNOBS}, or more recomputation (activation_checkpoint.mode = full or auto)"
+    )
 
 
 class _StageClock:

@@ -31,11 +31,13 @@ class PlannerOptions:
     ``solver``: ``ilp`` (exact, HiGHS or CBC per ``ilp_backend``), ``approx``
     (TRW-S and local search) or ``auto`` (picks by problem size). ``optimality_check`` adds the LP bound to the plan's
     ``lower_bound``; ``mip_gap`` stops the exact search once the plan is proven
-    within that relative gap. ``memory_budget_gib`` bounds the parameters' bytes
-    per device (None: every parameter sharded where it can be).
+    within that relative gap. ``memory_budget_gib`` bounds the whole predicted
+    peak per device, and lets the solver keep weights replicated where it allows
+    (None: every parameter sharded where it can be, and the peak bounded by
+    ``device_memory_gib``, the device's memory, or the profile's when None, less
+    ``api.FIT_RESERVE``; not bounded when neither is known).
     ``activation_checkpoint`` traces each transformer block recomputed in the
-    backward ("auto": the least recomputation whose whole predicted peak fits
-    ``device_memory_gib``, the device's memory, or the profile's when None:
+    backward ("auto": of the modes whose plan fits, the one of least step time:
     ``api.plan_fitting``); ``strided_sharding`` lets matmuls take the strided shards views
     produce; ``overlap`` credits gathers and reductions hidden behind compute.
     ``loss_fn`` and ``batch`` replace cross-entropy over a token batch for
