@@ -13,7 +13,12 @@ largest rank's peak. ``start`` is the largest rank's tensor memory at the
 step's start (parameters, gradients kept from the step before, optimizer
 state, buffers such as RoPE's table), the part the prediction calls state.
 
-    .venv/bin/python experiments/memory/run.py [--only llama3] [--ranks 2] [--mesh FSDP,TP] [--ac none,full]
+    .venv/bin/python experiments/memory/run.py [--only llama3] [--ranks 2] [--mesh FSDP,TP] [--ac none,full,auto]
+
+``auto`` rows plan ``activation_checkpoint.mode = auto`` under a
+``memory_budget_gib`` of ``AUTO_SHARE`` of the same mesh's ``none`` row's
+predicted peak (run that row first): the planner picks the recomputation, and
+how much to reshard, that fits it; the row says which mode it chose.
 
 Writes ``results.json`` (``{"rows": [{"case", "mesh_kind", "ranks", "ac",
 "predicted_peak_bytes", "measured_peak_bytes", ...}]}``) and ``results.md``
@@ -60,9 +65,20 @@ CASES = [  # (model, flavor, ranks, mesh kinds)
 ]
 # A real model's step on CPU ranks takes minutes at the debug batch: one sequence of 128 tokens.
 FLAVOR_ARGS = {"0.6B": ["--training.local_batch_size", "1", "--training.seq_len", "128"]}
+AUTO_SHARE = 0.8  # of the none row's predicted peak: the budget of an auto row
 
 
-def run_case(model: str, flavor: str, ranks: int, kind: str, ac: str, steps: int, timeout: float) -> dict:
+def auto_budget(rows: list[dict], model: str, flavor: str, ranks: int, kind: str) -> float:
+    """The memory budget (bytes) of an auto row: ``AUTO_SHARE`` of its none row's prediction."""
+    for r in rows:
+        if _key(r) == (f"{model} {flavor}", kind, ranks, "none") and "predicted_peak_bytes" in r:
+            return AUTO_SHARE * r["predicted_peak_bytes"]
+    raise SystemExit(f"error: no ac=none row for {model} {flavor} {kind} on {ranks} ranks; run it before its auto row")
+
+
+def run_case(
+    model: str, flavor: str, ranks: int, kind: str, ac: str, steps: int, timeout: float, budget: float | None = None
+) -> dict:
     rep, shard, tp = MESHES[kind](ranks)
     with tempfile.TemporaryDirectory(prefix="memory_") as folder:
         args = [
@@ -73,12 +89,16 @@ def run_case(model: str, flavor: str, ranks: int, kind: str, ac: str, steps: int
             "--parallelism.data_parallel_replicate_degree", str(rep),
             "--parallelism.data_parallel_shard_degree", str(shard), "--parallelism.tensor_parallel_degree", str(tp),
         ]  # fmt: skip
+        if budget is not None:
+            args += ["--autoparallel.memory_budget_gib", repr(budget / 2**30)]
         env = {"NGPU": str(ranks), "CONFIG_FILE": f"train_configs/{model}_debugmodel.toml", "OMP_NUM_THREADS": "1"}
         start = time.perf_counter()
         proc = subprocess.run(["./run_train.sh", *args], cwd=REPO, env={**os.environ, **env},
                               capture_output=True, text=True, timeout=timeout)
         row = {"case": f"{model} {flavor}", "mesh_kind": kind, "ranks": ranks, "ac": ac,
                "wall_s": round(time.perf_counter() - start, 1)}
+        if budget is not None:
+            row["budget_bytes"] = budget
         measured = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("tensor_memory_rank*.json"))]
         if proc.returncode != 0 or len(measured) != ranks:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -91,6 +111,8 @@ def run_case(model: str, flavor: str, ranks: int, kind: str, ac: str, steps: int
         "predicted_state_bytes": state_bytes(plan),
         "measured_start_bytes": max(m["start_bytes"] for m in measured),
         "predicted_activation_bytes": plan.predicted.get("peak_activation_bytes_per_device"),
+        "ac_planned": plan.activation_checkpoint,
+        "memory_fit": plan.memory_fit,
     }
 
 
@@ -103,19 +125,23 @@ def merged(rows: list[dict], row: dict) -> list[dict]:
     (model, ranks, ac, mesh as ``CASES`` and ``MESHES`` list them)."""
     out = [r for r in rows if _key(r) != _key(row)] + [row]
     kinds = list(MESHES)
-    return sorted(out, key=lambda r: (r["case"], r["ranks"], r["ac"] != "none", r["ac"], kinds.index(r["mesh_kind"])))
+    order = ["none", "full", "auto"]
+    return sorted(out, key=lambda r: (r["case"], r["ranks"], order.index(r["ac"]), kinds.index(r["mesh_kind"])))
 
 
 def markdown(rows: list[dict]) -> str:
     out = ["| case | mesh | ranks | ac | predicted MiB | measured MiB | measured / predicted | "
-           "state predicted MiB | start measured MiB |", "|" + " --- |" * 9]
+           "state predicted MiB | start measured MiB | budget MiB |", "|" + " --- |" * 10]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['case']} | {r['mesh_kind']} | {r['ranks']} | {r['ac']} | error: {r['error']} |||||")
             continue
         p, m = r["predicted_peak_bytes"], r["measured_peak_bytes"]
-        out.append(f"| {r['case']} | {r['mesh_kind']} | {r['ranks']} | {r['ac']} | {p / MIB:.1f} | {m / MIB:.1f} | "
-                   f"{m / p:.2f} | {r['predicted_state_bytes'] / MIB:.1f} | {r['measured_start_bytes'] / MIB:.1f} |")
+        ac = f"auto: {r['ac_planned']}{' resharded' if r.get('memory_fit') else ''}" if r["ac"] == "auto" else r["ac"]
+        budget = f"{r['budget_bytes'] / MIB:.1f}" if "budget_bytes" in r else "-"
+        out.append(f"| {r['case']} | {r['mesh_kind']} | {r['ranks']} | {ac} | {p / MIB:.1f} | {m / MIB:.1f} | "
+                   f"{m / p:.2f} | {r['predicted_state_bytes'] / MIB:.1f} | {r['measured_start_bytes'] / MIB:.1f} | "
+                   f"{budget} |")
     return "\n".join(out) + "\n"
 
 
@@ -136,7 +162,8 @@ def main() -> int:
         for kind in kinds:
             if a.mesh and kind not in a.mesh.split(","):
                 continue
-            row = run_case(model, flavor, ranks, kind, ac, a.steps, a.timeout)
+            budget = auto_budget(rows, model, flavor, ranks, kind) if ac == "auto" else None
+            row = run_case(model, flavor, ranks, kind, ac, a.steps, a.timeout, budget)
             rows = merged(rows, row)
             print(json.dumps(row), flush=True)
             results.write_text(json.dumps({"rows": rows}, indent=1) + "\n")

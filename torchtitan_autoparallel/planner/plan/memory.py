@@ -65,6 +65,13 @@ def _output_bytes(node: fx.Node, strategy: Strategy | None, mesh_sizes: tuple[in
     )
 
 
+def part_bytes(part: EdgeInfo, placements, mesh_sizes: tuple[int, ...]) -> float:  # noqa: ANN001
+    """Per-device bytes of the tensor ``part`` carries, in ``placements`` (None: none)."""
+    if placements is None:
+        return 0.0
+    return float(math.prod(local_shape(part.shape, placements, mesh_sizes)) * part.dtype.itemsize)
+
+
 def _is_alias(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in VIEW_OPS or node.target is operator.getitem)
 
@@ -308,7 +315,7 @@ def _redistributed(
             dst = chosen[part.consumer].inputs[part.arg_index]
             if dst is None or src == dst:
                 continue
-            nbytes = math.prod(local_shape(part.shape, dst, mesh_sizes)) * part.dtype.itemsize
+            nbytes = part_bytes(part, dst, mesh_sizes)
             args = out[part.consumer]
             args[part.arg_index] = args.get(part.arg_index, 0.0) + float(nbytes)
     return out

@@ -26,7 +26,6 @@ row is exact for that plan and a linear estimate for the others: the solve
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import numpy as np
@@ -36,10 +35,12 @@ from torchtitan_autoparallel.planner.plan.buckets import runs_on_gloo
 from torchtitan_autoparallel.planner.plan.memory import (
     OPTIMIZER_STATE_COPIES,
     _is_alias,
+    _live_at,
     _local_bytes,
     _output_bytes,
     _Timeline,
     live_totals,
+    part_bytes,
     walk,
 )
 from torchtitan_autoparallel.planner.problem.build import GRAD_EDGE, BuiltProblem, EdgeInfo
@@ -48,7 +49,6 @@ from torchtitan_autoparallel.planner.problem.rows import GIB, MemoryRow
 from torchtitan_autoparallel.planner.solve.base import Solution
 from torchtitan_autoparallel.planner.solve.exact.ilp import _IlpSolver
 from torchtitan_autoparallel.planner.solve.rows import solve_with_rows
-from torchtitan_autoparallel.planner.strategies.placement import local_shape
 from torchtitan_autoparallel.planner.strategies.rules import VIEW_OPS
 from torchtitan_autoparallel.planner.strategies.strategy import Strategy
 from torchtitan_autoparallel.planner.trace.trace import TracedStep
@@ -85,7 +85,7 @@ class StepMemory:
             terms[v] = terms[v] + vector if v in terms else vector
 
         t = self.t
-        for owner, nbytes in _live(t, at):
+        for owner, _ in _live_at(t, at):
             holder = _holder(t, owner, at)
             if holder is not owner or (_is_alias(owner) and owner.target in VIEW_OPS):
                 add(holder, self._read_bytes(holder))
@@ -163,23 +163,11 @@ class StepMemory:
 
 def _input_bytes(part: EdgeInfo, s: Strategy, mesh: tuple[int, ...]) -> float:
     """Bytes of ``part`` as its consumer under ``s`` reads it (a gradient: as its parameter)."""
-    return _bytes(part, s.outputs[0] if part.arg_index == GRAD_EDGE else s.inputs[part.arg_index], mesh)
+    return part_bytes(part, s.outputs[0] if part.arg_index == GRAD_EDGE else s.inputs[part.arg_index], mesh)
 
 
 def _produced_bytes(part: EdgeInfo, s: Strategy, mesh: tuple[int, ...]) -> float:
-    return _bytes(part, s.outputs[part.output_index], mesh)
-
-
-def _bytes(part: EdgeInfo, placements, mesh: tuple[int, ...]) -> float:  # noqa: ANN001
-    if placements is None:
-        return 0.0
-    return float(math.prod(local_shape(part.shape, placements, mesh)) * part.dtype.itemsize)
-
-
-def _live(t: _Timeline, at: int):  # noqa: ANN202
-    for owner, nbytes in t.size.items():
-        if t.position[owner] <= at <= t.last_use[owner] and nbytes > 0:
-            yield owner, nbytes
+    return part_bytes(part, s.outputs[part.output_index], mesh)
 
 
 def _holder(t: _Timeline, owner: fx.Node, at: int) -> fx.Node:
