@@ -105,9 +105,8 @@ def plan_stages(
     """Trace, enumerate, build, solve and decode one training step on ``mesh``.
 
     ``model`` may live on the meta device; nothing is allocated. Raises
-    ``InfeasibleProblem`` when ``options.memory_budget_gib`` cannot hold the
-    parameters (naming the smallest budget that does) or no plan found keeps the whole
-    peak within it (naming the lowest peak found). ``solve_hook``
+    ``InfeasibleProblem`` (naming the smallest feasible budget) when
+    ``options.memory_budget_gib`` cannot hold the parameters. ``solve_hook``
     replaces the plain solve (the trainer's solves on rank 0 and shares it).
     """
     o = options
@@ -161,7 +160,6 @@ def plan_stages(
     plan = plan_from_solution(solution, built, traced, clock.timings)
     if spec is not None:
         add_overlap_prediction(plan, built, spec, solution.assignment)
-    _check_budget(plan, o)
     _add_step_terms(plan, traced, o.profile)
     clock.lap("plan")
     plan.peak_rss_gib = clock.peak_rss
@@ -200,9 +198,12 @@ def plan_fitting(
     fits the device (less ``FIT_RESERVE``; each solve already trades step time for
     memory, ``peak_rows.fit_peak``), the one of least step time. The first mode whose
     cheapest plan fits as it is ends the search: recomputing more only adds time.
-    Raises ``NothingFits`` when no mode's plan fits."""
+    Raises ``NothingFits`` when no mode's plan fits, and ``InfeasibleProblem`` when a
+    plan of a given mode is over a given ``memory_budget_gib`` (naming its peak)."""
     if options.activation_checkpoint != "auto":
-        return plan_stages(model, mesh, options, solve_hook=hook_for(options))
+        executable = plan_stages(model, mesh, options, solve_hook=hook_for(options))
+        _check_budget(executable.plan, options)
+        return executable
     usable = usable_bytes(options)
     if not usable:
         log.info("activation_checkpoint auto: the device's memory is not known (cost profile %s): no recomputation",
