@@ -47,7 +47,7 @@ from torchtitan_autoparallel.planner.problem.build import GRAD_EDGE, BuiltProble
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem
 from torchtitan_autoparallel.planner.problem.rows import GIB, MemoryRow
 from torchtitan_autoparallel.planner.solve.base import Solution
-from torchtitan_autoparallel.planner.solve.exact.ilp import _IlpSolver
+from torchtitan_autoparallel.planner.solve.exact.ilp import IlpSolver
 from torchtitan_autoparallel.planner.solve.rows import solve_with_rows
 from torchtitan_autoparallel.planner.strategies.rules import VIEW_OPS
 from torchtitan_autoparallel.planner.strategies.strategy import Strategy
@@ -224,7 +224,7 @@ def over_limit(totals: np.ndarray, usable: float) -> list[int]:
 
 def fit_peak(
     built: BuiltProblem, traced: TracedStep, solution: Solution, usable: float, *,
-    time_limit_s: float | None, solver: _IlpSolver,
+    time_limit_s: float | None, solver: IlpSolver,
 ) -> Solution:
     """``solution``, or when its whole peak exceeds ``usable`` bytes, the cheapest plan the
     solve finds under rows at the positions over it (module docstring). Each round walks

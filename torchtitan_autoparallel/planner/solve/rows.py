@@ -24,7 +24,7 @@ import numpy as np
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.problem.rows import GIB, MemoryRow
 from torchtitan_autoparallel.planner.solve.base import Solution
-from torchtitan_autoparallel.planner.solve.exact.ilp import HighsILPSolver, _IlpSolver, _remaining
+from torchtitan_autoparallel.planner.solve.exact.ilp import HighsILPSolver, IlpSolver, _remaining
 from torchtitan_autoparallel.planner.solve.exact.model import IlpModel, build_ilp
 from torchtitan_autoparallel.planner.solve.overlap.presolve import ReducedPricer
 from torchtitan_autoparallel.planner.solve.overlap.terms import ColumnIndex, LinearBuilder
@@ -111,7 +111,7 @@ def add_rows(base: IlpModel, pre: Presolved, rows: list[MemoryRow]) -> IlpModel:
 
 def solve_with_rows(
     problem: Problem, rows: list[MemoryRow], time_limit: float | None = None,
-    solver: _IlpSolver | None = None,
+    solver: IlpSolver | None = None,
 ) -> Solution:
     """The cheapest plan of ``problem`` within every row. Raises ``InfeasibleProblem``
     (naming the row and the least it can be) when no plan meets them all."""

@@ -25,7 +25,7 @@ from torchtitan_autoparallel.planner.solve.exact.ilp import (
     LOG,
     MIP_REL_GAP,
     _Heartbeat,
-    _IlpSolver,
+    IlpSolver,
     _remaining,
     _Run,
 )
@@ -35,7 +35,7 @@ CBC_OVERRUN_S = 1.0  # CBC past its limit for this long is stopped (SIGINT: it w
 CBC_STOP_WAIT_S = 2.0  # then this long to write it before the whole process group is killed
 
 
-class CbcILPSolver(_IlpSolver):
+class CbcILPSolver(IlpSolver):
     """CBC as a subprocess this class controls: CBC's own ``-sec`` is not kept on big
     models (the root LP and preprocessing do not look at the clock), so the binary runs
     in its own session and is stopped, then killed, shortly after the deadline."""

@@ -1,7 +1,7 @@
 """Exact solvers: the local-polytope ILP of ``exact.model`` solved by HiGHS or CBC.
 
 Both backends share the model, the result checks and the infeasibility
-diagnosis (``_IlpSolver``); they differ only in how the arrays reach the
+diagnosis (``IlpSolver``); they differ only in how the arrays reach the
 solver: HiGHS (here) takes the CSR matrix as is, CBC (``cbc``) reads an MPS
 file written from it.
 """
@@ -52,7 +52,7 @@ class _Run:
     bound: float = -math.inf  # the solver's best bound, model.offset excluded
 
 
-class _IlpSolver:
+class IlpSolver:
     """Shared flow: build, run the backend, verify, diagnose infeasibility.
 
     ``mip_gap``: the relative gap at which the search stops, measured on the
@@ -238,7 +238,7 @@ class _MipStats:
         )
 
 
-class HighsILPSolver(_IlpSolver):
+class HighsILPSolver(IlpSolver):
     def __init__(
         self, name: str = "ilp-highs", threads: int | None = None, highs_presolve: bool = True,
         mip_gap: float = MIP_REL_GAP,
