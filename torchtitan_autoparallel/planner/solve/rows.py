@@ -59,6 +59,8 @@ class RowGraph(Graph):
 
 
 def presolve_for_rows(problem: Problem, rows: list[MemoryRow]) -> Presolved:
+    """The exact presolve, each tie group carrying its members' row bytes (``RowGraph``)."""
+
     def make_graph(collapsed: Problem, group_of: np.ndarray, prune_memory: bool) -> Graph:
         row_bytes: dict[int, np.ndarray] = {}
         for r, row in enumerate(rows):
@@ -76,37 +78,42 @@ def add_rows(base: IlpModel, pre: Presolved, rows: list[MemoryRow]) -> IlpModel:
     """``base`` (``build_ilp(pre.reduced)``) with each row, in fractions of its limit,
     inserted before the parameter-memory row (which stays last)."""
     pricer = ReducedPricer(pre, ColumnIndex(base))
-    row_ids, cols, vals, upper = [], [], [], []
-    for r, row in enumerate(rows):
-        terms = LinearBuilder()
-        for v, vec in row.terms.items():
-            pricer.node(terms, v, np.asarray(vec, dtype=np.float64))
-        linear = terms.build()
-        used, coeff = np.unique(linear.cols, return_inverse=True)
-        summed = np.bincount(coeff, weights=linear.coeffs, minlength=len(used))
-        row_ids.append(np.full(len(used), r))
-        cols.append(used)
-        vals.append(summed / row.limit)
-        upper.append((row.limit - row.const - float(linear.const.sum())) / row.limit)
+    written = [_row_over_columns(pricer, row) for row in rows]
     first = base.num_row - (1 if base.has_memory_row else 0)
     base_rows = np.repeat(np.arange(base.num_row), np.diff(base.row_start))
     base_rows = np.where(base_rows >= first, base_rows + len(rows), base_rows)
-    all_rows = np.concatenate([base_rows, first + np.concatenate(row_ids)])
+    new_rows = [np.full(len(cols), first + r) for r, (cols, _, _) in enumerate(written)]
+    all_rows = np.concatenate([base_rows, *new_rows])
     order = np.argsort(all_rows, kind="stable")
     num_row = base.num_row + len(rows)
     start = np.zeros(num_row + 1, dtype=np.int64)
     np.cumsum(np.bincount(all_rows, minlength=num_row), out=start[1:])
-    insert = lambda a, new: np.concatenate([a[:first], np.asarray(new, dtype=np.float64), a[first:]])  # noqa: E731
+
+    def insert(bounds: np.ndarray, new: list[float]) -> np.ndarray:
+        return np.concatenate([bounds[:first], np.asarray(new, dtype=np.float64), bounds[first:]])
+
     return replace(
         base,
         row_start=start,
-        row_index=np.concatenate([base.row_index, *cols])[order],
-        row_value=np.concatenate([base.row_value, *vals])[order],
+        row_index=np.concatenate([base.row_index, *(cols for cols, _, _ in written)])[order],
+        row_value=np.concatenate([base.row_value, *(vals for _, vals, _ in written)])[order],
         row_lower=insert(base.row_lower, [-np.inf] * len(rows)),
-        row_upper=insert(base.row_upper, upper),
+        row_upper=insert(base.row_upper, [upper for _, _, upper in written]),
         start=None,
         approx=None,
     )
+
+
+def _row_over_columns(pricer: ReducedPricer, row: MemoryRow) -> tuple[np.ndarray, np.ndarray, float]:
+    """One row as (columns, coefficients, upper bound), each column once, scaled to the limit."""
+    terms = LinearBuilder()
+    for v, vec in row.terms.items():
+        pricer.node(terms, v, np.asarray(vec, dtype=np.float64))
+    linear = terms.build()
+    cols, at = np.unique(linear.cols, return_inverse=True)
+    coeffs = np.bincount(at, weights=linear.coeffs, minlength=len(cols))
+    upper = (row.limit - row.const - float(linear.const.sum())) / row.limit
+    return cols, coeffs / row.limit, upper
 
 
 def solve_with_rows(
