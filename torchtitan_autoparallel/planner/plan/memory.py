@@ -51,17 +51,17 @@ from torchtitan_autoparallel.planner.strategies.strategy import Strategy
 from torchtitan_autoparallel.planner.trace.trace import TracedStep
 
 
-def _local_bytes(val, placements, mesh_sizes: tuple[int, ...]) -> float:
+def local_bytes(val, placements, mesh_sizes: tuple[int, ...]) -> float:
     shape = tuple(val.shape) if placements is None else local_shape(val.shape, placements, mesh_sizes)
     return float(math.prod(shape) * val.dtype.itemsize)
 
 
-def _output_bytes(node: fx.Node, strategy: Strategy | None, mesh_sizes: tuple[int, ...]) -> float:
+def output_bytes(node: fx.Node, strategy: Strategy | None, mesh_sizes: tuple[int, ...]) -> float:
     val = node.meta.get("val")
     vals = list(val) if isinstance(val, (tuple, list)) else [val]
     outs = strategy.outputs if strategy is not None else (None,) * len(vals)
     return sum(
-        _local_bytes(v, p, mesh_sizes) for v, p in zip(vals, outs) if v is not None and hasattr(v, "dtype")
+        local_bytes(v, p, mesh_sizes) for v, p in zip(vals, outs) if v is not None and hasattr(v, "dtype")
     )
 
 
@@ -72,7 +72,7 @@ def part_bytes(part: EdgeInfo, placements, mesh_sizes: tuple[int, ...]) -> float
     return float(math.prod(local_shape(part.shape, placements, mesh_sizes)) * part.dtype.itemsize)
 
 
-def _is_alias(node: fx.Node) -> bool:
+def is_alias(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in VIEW_OPS or node.target is operator.getitem)
 
 
@@ -126,7 +126,7 @@ def whole_peak(peak: Peak, param_bytes: float) -> dict[str, float]:
 
 
 @dataclass
-class _Timeline:
+class Timeline:
     order: list[fx.Node]
     position: dict[fx.Node, int]
     size: dict[fx.Node, float]  # allocation -> bytes
@@ -152,7 +152,7 @@ def predicted_peak(
     at = int(np.argmax(totals)) if len(totals) else 0
     peak = float(totals[at]) if len(totals) else 0.0
     copies = _weight_copies(traced)
-    weight_bytes = sum(nbytes for owner, nbytes in _live_at(t, at) if owner in copies)
+    weight_bytes = sum(nbytes for owner, nbytes in live_at(t, at) if owner in copies)
     weight_bytes += sum(s.bytes for s in _spans_at(t, at) if s.kind == WEIGHT)
     grads = sum(b for i, b in t.kept.items() if i <= at)
     collective = sum(s.bytes for s in _spans_at(t, at) if s.kind == COLLECTIVE)
@@ -169,7 +169,7 @@ def walk(
     edge_parts: list[list[EdgeInfo]],
     mesh_sizes: tuple[int, ...],
     gloo: bool = False,
-) -> tuple[_Timeline, ExecutedCollectives]:
+) -> tuple[Timeline, ExecutedCollectives]:
     """The planned step's allocations and lifetimes, the executed collectives' holds and
     buffers included: what ``predicted_peak`` scans and ``peak_rows`` reads."""
     t = _timeline(traced, chosen, edge_parts, mesh_sizes)
@@ -180,7 +180,7 @@ def walk(
     return t, executed
 
 
-def live_totals(t: _Timeline) -> np.ndarray:
+def live_totals(t: Timeline) -> np.ndarray:
     """Bytes live at each graph position, the running op's redistributed inputs included."""
     frees: dict[int, float] = defaultdict(float)
     for owner, nbytes in t.size.items():
@@ -198,7 +198,7 @@ def live_totals(t: _Timeline) -> np.ndarray:
     return totals
 
 
-def _hold(t: _Timeline, held_until: dict[fx.Node, int]) -> None:
+def _hold(t: Timeline, held_until: dict[fx.Node, int]) -> None:
     """Keep the allocations behind ``held_until``'s tensors live to at least there."""
     for node, until in held_until.items():
         owner = t.root.get(node, node)
@@ -206,11 +206,11 @@ def _hold(t: _Timeline, held_until: dict[fx.Node, int]) -> None:
             t.last_use[owner] = max(t.last_use[owner], until)
 
 
-def _spans_at(t: _Timeline, at: int) -> list[Span]:
+def _spans_at(t: Timeline, at: int) -> list[Span]:
     return [s for s in t.spans if s.first <= at <= s.last]
 
 
-def _live_at(t: _Timeline, at: int) -> Iterator[tuple[fx.Node, float]]:
+def live_at(t: Timeline, at: int) -> Iterator[tuple[fx.Node, float]]:
     """The allocations live at graph position ``at``, with their bytes."""
     for owner, nbytes in t.size.items():
         if t.position[owner] <= at <= t.last_use[owner] and nbytes > 0:
@@ -233,7 +233,7 @@ def _timeline(
     chosen: Mapping[fx.Node, Strategy],
     edge_parts: list[list[EdgeInfo]],
     mesh_sizes: tuple[int, ...],
-) -> _Timeline:
+) -> Timeline:
     order = list(traced.graph.graph.nodes)
     position = {n: i for i, n in enumerate(order)}
     moved = _redistributed(chosen, edge_parts, mesh_sizes)
@@ -245,13 +245,13 @@ def _timeline(
         if node.op in ("placeholder", "output", "get_attr"):
             continue
         buffers = dict(moved.get(node, {}))
-        if _is_alias(node) and isinstance(node.args[0], fx.Node) and 0 not in buffers:
+        if is_alias(node) and isinstance(node.args[0], fx.Node) and 0 not in buffers:
             root[node] = root.get(node.args[0], node.args[0])
-        elif _is_alias(node) and 0 in buffers:  # a view of its redistributed input: it owns that buffer
+        elif is_alias(node) and 0 in buffers:  # a view of its redistributed input: it owns that buffer
             root[node], size[node], last_use[node] = node, buffers.pop(0), i
         else:
             root[node] = node
-            size[node] = _output_bytes(node, chosen.get(node), mesh_sizes)
+            size[node] = output_bytes(node, chosen.get(node), mesh_sizes)
             last_use[node] = i
         transient[i] += sum(buffers.values())
         for arg in node.all_input_nodes:
@@ -259,12 +259,12 @@ def _timeline(
                 owner = root[arg]
                 last_use[owner] = max(last_use.get(owner, i), i)
     kept = _gradient_bytes(traced, chosen, mesh_sizes, position)
-    return _Timeline(order, position, size, last_use, transient, kept, root)
+    return Timeline(order, position, size, last_use, transient, kept, root)
 
 
-def _parts_at(t: _Timeline, at: int, chosen: Mapping[fx.Node, Strategy]) -> list[PeakPart]:
+def _parts_at(t: Timeline, at: int, chosen: Mapping[fx.Node, Strategy]) -> list[PeakPart]:
     groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for owner, nbytes in _live_at(t, at):
+    for owner, nbytes in live_at(t, at):
         group = groups[_describe(owner, chosen.get(owner))]
         group[0] += 1
         group[1] += nbytes
@@ -333,5 +333,5 @@ def _gradient_bytes(
         param = traced.params[fqn]
         placements = chosen[param].outputs[0] if param in chosen else None
         at = position[grad]
-        out[at] = out.get(at, 0.0) + _local_bytes(grad.meta["val"], placements, mesh_sizes)
+        out[at] = out.get(at, 0.0) + local_bytes(grad.meta["val"], placements, mesh_sizes)
     return out

@@ -34,12 +34,12 @@ from torch import fx
 from torchtitan_autoparallel.planner.plan.buckets import runs_on_gloo
 from torchtitan_autoparallel.planner.plan.memory import (
     OPTIMIZER_STATE_COPIES,
-    _is_alias,
-    _live_at,
-    _local_bytes,
-    _output_bytes,
-    _Timeline,
+    Timeline,
+    is_alias,
+    live_at,
     live_totals,
+    local_bytes,
+    output_bytes,
     part_bytes,
     walk,
 )
@@ -85,12 +85,12 @@ class StepMemory:
             terms[v] = terms[v] + vector if v in terms else vector
 
         t = self.t
-        for owner, _ in _live_at(t, at):
+        for owner, _ in live_at(t, at):
             holder = _holder(t, owner, at)
-            if holder is not owner or (_is_alias(owner) and owner.target in VIEW_OPS):
+            if holder is not owner or (is_alias(owner) and owner.target in VIEW_OPS):
                 add(holder, self._read_bytes(holder))
             elif owner in self.chosen:
-                add(owner, self._strategy_bytes(owner, lambda node, s: _output_bytes(node, s, self.mesh)))
+                add(owner, self._strategy_bytes(owner, lambda node, s: output_bytes(node, s, self.mesh)))
         self._add_transients(t.order[at], add)
         self._add_held(at, add)
         self._add_state(at, add)
@@ -106,13 +106,13 @@ class StepMemory:
     def _read_bytes(self, view: fx.Node) -> np.ndarray:
         """Bytes of a view's input in the placement each of its strategies reads it in."""
         val = view.args[0].meta.get("val")
-        return self._strategy_bytes(view, lambda node, s: _local_bytes(val, s.inputs[0], self.mesh))
+        return self._strategy_bytes(view, lambda node, s: local_bytes(val, s.inputs[0], self.mesh))
 
     def _add_transients(self, node: fx.Node, add) -> None:  # noqa: ANN001
         """The running op's inputs that this plan redistributes, in each strategy's placement."""
         if node not in self.chosen:
             return
-        owned = _is_alias(node) and self.t.root.get(node) is node  # its buffer counts as live
+        owned = is_alias(node) and self.t.root.get(node) is node  # its buffer counts as live
         for parts in self.built.edge_parts:
             for part in parts:
                 if part.consumer is not node or part.arg_index == GRAD_EDGE or part.producer not in self.chosen:
@@ -158,7 +158,7 @@ class StepMemory:
             grad = self.traced.grads.get(fqn)
             if grad is not None and self.t.position[grad] <= at:
                 val = grad.meta["val"]
-                add(param, self._strategy_bytes(param, lambda _, s, val=val: _local_bytes(val, s.outputs[0], self.mesh)))
+                add(param, self._strategy_bytes(param, lambda _, s, val=val: local_bytes(val, s.outputs[0], self.mesh)))
 
 
 def _input_bytes(part: EdgeInfo, s: Strategy, mesh: tuple[int, ...]) -> float:
@@ -170,7 +170,7 @@ def _produced_bytes(part: EdgeInfo, s: Strategy, mesh: tuple[int, ...]) -> float
     return part_bytes(part, s.outputs[part.output_index], mesh)
 
 
-def _holder(t: _Timeline, owner: fx.Node, at: int) -> fx.Node:
+def _holder(t: Timeline, owner: fx.Node, at: int) -> fx.Node:
     """The node whose choice sets what of ``owner``'s allocation is live at ``at``: the
     owner while a non-view reads it at or after ``at``, else the view that keeps it."""
     node = owner
@@ -188,7 +188,7 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in VIEW_OPS
 
 
-def _reach(t: _Timeline, node: fx.Node) -> int:
+def _reach(t: Timeline, node: fx.Node) -> int:
     """The last position that reads ``node`` directly or through views of it."""
     last = t.position[node]
     for u in node.users:
