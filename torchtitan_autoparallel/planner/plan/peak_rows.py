@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import numpy as np
 from torch import fx
@@ -97,8 +98,7 @@ class StepMemory:
         row = MemoryRow(terms=terms, const=0.0, limit=limit, where=t.order[at].name)
         # what no node's choice moves here: the collectives' buffers (and any
         # lifetime the terms above do not see), read from this plan
-        const = float(self.totals[at]) - row.value(self.x)
-        return MemoryRow(terms=terms, const=const, limit=limit, where=row.where)
+        return replace(row, const=float(self.totals[at]) - row.value(self.x))
 
     def _strategy_bytes(self, node: fx.Node, size) -> np.ndarray:  # noqa: ANN001
         return np.array([size(node, s) for s in self.built.strategies(node)])
