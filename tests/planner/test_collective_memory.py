@@ -7,13 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.placement_types import Shard
 
 from torchtitan_autoparallel.execute.bucketing import bucket_collectives
 from torchtitan_autoparallel.execute.overlap import is_collective
 from torchtitan_autoparallel.execute.parity import ParityConfig, batch, full_model, plan_parity
 from torchtitan_autoparallel.planner.plan.buckets import BUCKET_BYTES, backend_scratch_bytes, group_buckets
+from torchtitan_autoparallel.planner.plan.collective_memory import executed_collectives
 from torchtitan_autoparallel.planner.plan.memory import whole_peak
+from torchtitan_autoparallel.planner.problem.build import EdgeInfo
+from torchtitan_autoparallel.planner.strategies.strategy import Strategy
 
+MIB = 2**20
 _AG = torch.ops._c10d_functional.all_gather_into_tensor.default
 _KIND = {_AG: "all_gather", torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter"}
 
@@ -88,6 +93,28 @@ def test_gloo_scratch_is_counted_on_gloo_only():
     assert backend_scratch_bytes("reduce_scatter", 100.0, gloo=True) == 100.0
     assert backend_scratch_bytes("all_reduce", 100.0, gloo=True) == 0.0
     assert backend_scratch_bytes("all_gather", 100.0, gloo=False) == 0.0
+    # A shard moved to another dim: gloo gathers the whole tensor (output and temporary);
+    # NCCL copies the chunks it sends and receives.
+    assert backend_scratch_bytes("all_to_all", 100.0, gloo=True, group_size=4) == 200.0
+    assert backend_scratch_bytes("all_to_all", 100.0, gloo=False, group_size=4) == 50.0
+
+
+def test_a_shard_moved_to_another_dim_holds_the_whole_tensor_on_gloo():
+    """S(1) -> S(0) of a 2048 x 1024 float tensor over 4 ranks: DTensor's gloo fallback
+    gathers all 8 MiB (and gloo keeps a temporary as large) to cut out a 2 MiB shard;
+    measured, the redistribution alone peaks at 16 MiB (18 with a non-contiguous input)."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.mm.default, (x, x))
+    graph.output(y)
+    part = EdgeInfo(producer=x, output_index=0, consumer=y, arg_index=0, shape=(2048, 1024), dtype=torch.float32)
+    chosen = {x: Strategy(outputs=((Shard(1),),), inputs=()),
+              y: Strategy(outputs=((Shard(0),),), inputs=((Shard(0),), (Shard(1),)))}
+    order = list(graph.nodes)
+    for gloo, scratch in ((True, 16 * MIB), (False, 4 * MIB)):
+        executed = executed_collectives(order, chosen, [[part]], (4,), set(), gloo)
+        assert [(s.first, s.last, s.bytes) for s in executed.spans] == [(1, 1, scratch)]
+        assert executed.spans[0].holds == ((part, scratch),)  # the consumer's choice makes it
 
 
 def test_old_peaks_without_collectives_still_add_up():

@@ -21,6 +21,11 @@ from here by both sides: the prediction cannot drift from what runs.
   gloo (torch 2.14.1, ``experiments/memory``): an all-gather gathers into a
   temporary of its output's size on the group's worker thread, then copies
   it out; a reduce-scatter reduces a copy of its input. NCCL writes in place.
+  A shard-to-shard move (all-to-all, never merged) is, on gloo, DTensor's
+  fallback: an all-gather of the whole tensor (its output and gloo's
+  temporary, each full size) cut down to the local chunk (measured, torch
+  2.14.1). On NCCL it copies the chunks it sends and receives (two local
+  shards; torch's ``shard_dim_alltoall``, not yet measured on a GPU).
 """
 
 from __future__ import annotations
@@ -83,8 +88,11 @@ def gradient_triggers(graph: fx.Graph, gradients: Iterable[fx.Node]) -> dict[fx.
     return out
 
 
-def backend_scratch_bytes(kind: str, full_bytes: float, gloo: bool) -> float:
-    """Bytes the backend allocates for one collective while it runs (the module docstring)."""
+def backend_scratch_bytes(kind: str, full_bytes: float, gloo: bool, group_size: int = 1) -> float:
+    """Bytes the backend allocates for one collective while it runs, besides its output
+    (the module docstring). ``full_bytes``: the whole tensor over the group."""
+    if kind == "all_to_all":
+        return 2 * full_bytes if gloo else 2 * full_bytes / group_size
     return full_bytes if gloo and kind in BUCKETED_KINDS else 0.0
 
 

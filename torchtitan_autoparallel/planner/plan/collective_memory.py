@@ -18,8 +18,8 @@ spans of graph positions holding bytes:
   collective, whichever comes first; the backend's scratch is live right
   after the issue, once packing has freed the inputs; its results are views
   of one output buffer, live while any of them is;
-* one left alone costs its scratch where it runs, and its input lives until
-  it is issued.
+* one left alone (and every all-to-all: a shard moved to another tensor dim)
+  costs its scratch where it runs, and its input lives until it is issued.
 
 In the traced order a collective runs where its consumer does, and a
 parameter's gradient is reduced right after the backward's last read of it
@@ -133,9 +133,10 @@ def executed_collectives(
             _scatter(bucket, out, gloo, len(order) - 1, position, issues)
     for c in alone:
         at = min(c.at, len(order) - 1)
-        scratch = backend_scratch_bytes(c.kind, c.nbytes, gloo)
+        scratch = backend_scratch_bytes(c.kind, c.nbytes, gloo, c.key[2])
         if scratch:
-            out.spans.append(Span(at, at, scratch, COLLECTIVE))
+            held = () if c.part.arg_index == GRAD_EDGE else ((c.part, scratch),)
+            out.spans.append(Span(at, at, scratch, COLLECTIVE, held))
         if c.part.arg_index == GRAD_EDGE:
             out.held_until[c.part.producer] = max(out.held_until.get(c.part.producer, 0), at)
     return out
@@ -169,8 +170,11 @@ def planned_collectives(
         start = max(position[part.producer], mutations[before - 1] if before else -1)
         end = min(end, mutations[before]) if before < len(mutations) else end
         for k, step in enumerate(steps):
-            if step.kind not in BUCKETED_KINDS:
+            merged = step.kind in BUCKETED_KINDS
+            if not merged and step.kind != "all_to_all":
                 continue
+            # an all-to-all's step bytes are its local shard: its full tensor is n of them
+            full = step.bytes * (1 if merged else step.group_size)
             # Along another dim than the first, DTensor gathers into a new buffer and cuts it
             # back into place (a cat: a use at once), and splits a reduce-scatter's input
             # and concatenates it (a cat: an input made right there).
@@ -183,14 +187,14 @@ def planned_collectives(
                 key=(step.kind, step.mesh_dim, step.group_size, part.dtype),
                 start=at - 1 if chained or (inner and step.kind == "reduce_scatter") else start,
                 end=at if chained or (inner and step.kind == "all_gather") else end,
-                nbytes=float(step.bytes),
-                local_bytes=float(step.bytes) / step.group_size,
+                nbytes=float(full),
+                local_bytes=float(full) / step.group_size,
                 order=(at, -1, param_order[part.consumer], k) if grad else (at, part.arg_index, k),
                 at=at,
                 part=part,
                 weight=part.producer in weights,
             )
-            (candidates if k == 0 else alone).append(c)
+            (candidates if k == 0 and merged else alone).append(c)
     candidates.sort(key=lambda c: c.order)
     return candidates, alone
 

@@ -17,9 +17,13 @@ one node's choice:
 * the parameters and the optimizer's two states are three copies of each
   parameter at its placement.
 
+* a collective's buffers (a merged gather's, a backend's scratch) scale with
+  the placement of the tensor they hold, under the choice of the node that
+  sets it; what no node's choice moves is the row's constant.
+
 The lifetimes and which inputs get redistributed are read from the plan the
-row was made from, and the collectives' own buffers stay a constant, so the
-row is exact for that plan and a linear estimate for the others: the solve
+row was made from, so the row is exact for that plan and a linear estimate
+for the others: the solve
 (``planner.solve.rows``) bounds it, and the caller walks the new plan again.
 """
 
