@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _graphs import _ag, _inputs, _trace, _wait
+from _graphs import _ag, _inputs, _rs, _trace, _wait
 from torch import fx
 
 from torchtitan_autoparallel.execute.bucketing import bucket_collectives
@@ -96,6 +96,26 @@ def test_collectives_do_not_merge_across_a_mutation(gloo_one, mutate):
     stats = bucket_collectives(gm)
     assert stats.before == {"all_gather": 2}
     assert stats.after == {"all_gather": 2 if mutate else 1}
+    _assert_same_values(gm, reference)
+
+
+def _gradient_beside_activation(group: str):
+    def step(x, w0, w1, w2, b, ids):
+        grad = _wait(_rs(w0 * 2, "sum", 1, group))  # read by the output alone: kept to the end
+        act = _wait(_rs(x * 3, "sum", 1, group))  # read by the next op, then dead
+        return grad, torch.tanh(act).sum()
+
+    return step
+
+
+def test_a_kept_gradient_does_not_keep_an_activation_alive(gloo_one):
+    """A merged result is one buffer, alive while any slice is: a gradient's reduce-scatter,
+    read by the step's output, stays out of an activation's bucket (and would be merged
+    with another gradient's)."""
+    reference = _trace(gloo_one, _gradient_beside_activation)
+    gm = _trace(gloo_one, _gradient_beside_activation)
+    stats = bucket_collectives(gm)
+    assert stats.before == {"reduce_scatter": 2} and stats.after == {"reduce_scatter": 2}
     _assert_same_values(gm, reference)
 
 

@@ -27,10 +27,14 @@ the same merges, since gloo and NCCL match collectives by issue order):
   Views of the result (``t``, ``view``, ``split``...) do not count as uses:
   they compute nothing, and move along to after the merged wait.
 - Walking the graph in order, a candidate joins the open bucket of its key
-  (kind, group, group size, dtype, and reduce op) when the windows of all
-  members still overlap and the bucket's full-size buffer stays within
-  ``bucket_bytes``; otherwise that bucket closes and the candidate opens the
-  next. So a bucket is a run, in issue order, of collectives of one key.
+  (kind, group, group size, dtype, reduce op, and whether its result is read
+  by the step's output alone) when the windows of all members still overlap
+  and the bucket's full-size buffer stays within ``bucket_bytes``; otherwise
+  that bucket closes and the candidate opens the next. So a bucket is a run,
+  in issue order, of collectives of one key. The merged result is one
+  buffer, alive while any member's slice is: a parameter's reduced gradient,
+  kept to the step's end, would keep an activation's (or the first step of a
+  two-step reduction) as long, hence the key's last part.
   The rule and the cap live in ``planner/plan/buckets.py``: the planner's memory
   prediction groups the planned collectives with them.
 - The merged wait and unpacking go right before the earliest window end. A
@@ -182,8 +186,21 @@ def _member(node: fx.Node, index: dict[fx.Node, int], mutations: list[int]) -> _
     start = max(index[inp], mutations[before - 1] if before else -1)
     tail, end = _view_tail(wait, index, mutations[before] if before < len(mutations) else len(index) - 1)
     nbytes = val.numel() * val.element_size() * (size if kind == "all_gather" else 1)
-    key = (kind, *node.args[1:], val.dtype)
+    key = (kind, *node.args[1:], val.dtype, _read_by_output_only(wait))
     return _Member(node, wait, key, val, start, end, nbytes, tail)
+
+
+def _read_by_output_only(wait: fx.Node) -> bool:
+    """Whether ``wait``'s result reaches nothing but the step's output, through views: a
+    parameter's reduced gradient, alive to the step's end."""
+    pending = list(wait.users)
+    while pending:
+        user = pending.pop()
+        if user.op == "call_function" and user.target in _VIEWS:
+            pending.extend(user.users)
+        elif user.op != "output":
+            return False
+    return True
 
 
 def _view_tail(wait: fx.Node, index: dict[fx.Node, int], limit: int) -> tuple[list[fx.Node], int]:

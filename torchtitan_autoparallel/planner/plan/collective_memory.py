@@ -38,8 +38,10 @@ cost model's path (``redistribute_steps``), where the executor runs
 ``DTensor.redistribute``'s: the same on a 1-D mesh (the buckets predicted for
 an FSDP plan are the executed ones, ``tests/planner/test_collective_memory.py``), but
 on a 2-D mesh DTensor may take other steps, and the buckets differ (the
-2-layer parity model over dp_shard 2 x tp 2: 1 bucket predicted for 4
-executed without recomputation, 7 for 10 with full recomputation).
+2-layer parity model over dp_shard 2 x tp 2: no bucket predicted for 3
+executed without recomputation, 7 for 9 with full recomputation; a reduced
+gradient is merged only with others, so the executed merges keep what
+the prediction keeps alive).
 """
 
 from __future__ import annotations
@@ -184,7 +186,8 @@ def planned_collectives(
             chained = len(steps) > 1
             c = PlannedCollective(
                 kind=step.kind,
-                key=(step.kind, step.mesh_dim, step.group_size, part.dtype),
+                # the last: a reduced gradient, read by the step's output alone (bucketing.py)
+                key=(step.kind, step.mesh_dim, step.group_size, part.dtype, grad and not chained),
                 start=at - 1 if chained or (inner and step.kind == "reduce_scatter") else start,
                 end=at if chained or (inner and step.kind == "all_gather") else end,
                 nbytes=float(full),
