@@ -125,6 +125,17 @@ def test_a_plan_fitted_to_a_small_device_trains_as_one_device(tmp_path_factory):
 
 
 @pytest.mark.multirank
+def test_a_plan_recomputing_one_block_of_two_trains_as_one_device(tmp_path_factory):
+    """activation_checkpoint = "auto" may recompute the first blocks only: block 0 fully,
+    block 1 not at all, planned and run over FSDP 2, gives the 1-rank run's losses."""
+    result = run_parity("dp_shard=2", "--activation-checkpoint", "full,none", tmp=tmp_path_factory.mktemp("blocks"))
+    assert "error" not in result, result["error"]
+    want = reference_losses(ParityConfig())
+    for step, (got, ref) in enumerate(zip(result["losses"], want, strict=True)):
+        assert abs(got - ref) <= REL_TOL * abs(ref), f"step {step}: {got} vs {ref}"
+
+
+@pytest.mark.multirank
 def test_audit_fsdp_executes_the_planned_collectives(tmp_path_factory):
     mesh, flags = MESHES["fsdp2"]
     result = run_parity(mesh, *flags, tmp=tmp_path_factory.mktemp("fsdp2"))

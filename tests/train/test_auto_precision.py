@@ -251,6 +251,20 @@ def test_selective_ac_keeps_attention_and_every_other_matmul(ac_traces):
     assert _peak_live_bytes(sel) < _peak_live_bytes(none)
 
 
+def test_ac_per_block_recomputes_only_the_blocks_given(ac_traces):
+    """What "auto" plans between two modes: the first blocks recompute, the others not."""
+    none, full = ac_traces["none"], ac_traces["full"]
+    model = build_meta_model("llama3", "debugmodel", n_layers=3)
+    mixed = trace_training_step(model, 4, 128, activation_checkpoint=("full", "none", "none"))
+    assert mixed.activation_checkpoint == "full 0, none 1-2" and mixed.block_recompute == ("full", "none", "none")
+    assert _recomputed(mixed, aten._scaled_dot_product_flash_attention_for_cpu.default) == 1
+    assert _recomputed(mixed, aten.mm.default) == _recomputed(none, aten.mm.default) + 4
+    assert _saved_bytes(full) < _saved_bytes(mixed) < _saved_bytes(none)
+    assert all("forward" not in block.__dict__ for block in model.layers.children())
+    with pytest.raises(ValueError, match="modes for 2 blocks; the model has 3"):
+        trace_training_step(model, 2, 16, activation_checkpoint=("full", "none"))
+
+
 def test_ac_leaves_the_plain_model_untouched():
     model = build_meta_model("llama3", "debugmodel", n_layers=1)
     names = [n for n, _ in model.named_parameters()]

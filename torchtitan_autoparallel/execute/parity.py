@@ -59,7 +59,8 @@ class ParityConfig:
     strided_sharding: int = 0  # 1: plan with [autoparallel] strided_sharding
     plan_overlap: int = 0  # 1: plan with [autoparallel] overlap (the savings model)
     solver: str = "ilp"  # [autoparallel] solver; approx keeps a 3-D mesh's plan to seconds
-    activation_checkpoint: str = "none"  # the recomputation planned and run (none, selective, full)
+    # the recomputation planned and run: none, selective, full, or one per block ("full,none")
+    activation_checkpoint: str = "none"
     # > 0: plan for a device whose usable memory is this share of the unbounded plan's peak
     fit_share: float = 0.0
 
@@ -141,10 +142,18 @@ def plan_parity(cfg: ParityConfig, mesh, full: nn.Module, layers: int | None = N
             strided_sharding=bool(cfg.strided_sharding),
             overlap=bool(cfg.plan_overlap),
             solver=cfg.solver,
-            **{"activation_checkpoint": cfg.activation_checkpoint, **planner_kwargs},
+            **{**_recompute(cfg.activation_checkpoint), **planner_kwargs},
         ),
         portable_kernels=bool(cfg.portable_kernels),
     )
+
+
+def _recompute(modes: str) -> dict:
+    """Planner options for ``ParityConfig.activation_checkpoint``."""
+    blocks = tuple(modes.split(","))
+    if len(blocks) == 1:
+        return {"activation_checkpoint": modes}
+    return {"activation_checkpoint": "full", "block_recompute": blocks}
 
 
 # ---------------------------------------------------------------- the distributed side

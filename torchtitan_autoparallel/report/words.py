@@ -76,12 +76,21 @@ def _recompute_words(plan: Plan) -> list[str]:
             return []
         return [f"Recomputes nothing: the step's predicted peak, {fmt_bytes(peaks['none'])} per device, fits "
                 "the device (activation_checkpoint auto)."]
-    said = f"Recomputes {what.get(mode, mode)} in the backward"
+    if plan.block_recompute:
+        of = {"full": "the whole forward of", "selective": "part of the forward of", "none": "nothing of"}
+        said = "Recomputes " + ", ".join(f"{of.get(m, m)} blocks {r}" for m, r in _runs(mode)) + " in the backward"
+    else:
+        said = f"Recomputes {what.get(mode, mode)} in the backward"
     if not peaks:
         return [f"{said} (activation_checkpoint.mode = {mode})."]
-    over = ", ".join(f"{m} {fmt_bytes(b)}" for m, b in peaks.items() if m != mode)
-    return [f"{said}: of the recomputation modes whose plan fits the device, the one of least step time; the "
-            f"others' plans peak at {over} per device (activation_checkpoint auto; {mode}: {fmt_bytes(peaks[mode])})."]
+    over = "; ".join(f"{m}: {fmt_bytes(b)}" for m, b in peaks.items() if m != mode)
+    return [f"{said}: of the recomputations whose plan fits the device, the one of least step time; the "
+            f"others' plans peak at {over} per device (activation_checkpoint auto; this one: {fmt_bytes(peaks[mode])})."]
+
+
+def _runs(described: str) -> list[tuple[str, str]]:
+    """("full", "0-1"), ("none", "2-5") from a per-block description, "full 0-1, none 2-5"."""
+    return [tuple(run.split(" ")) for run in described.split(", ")]
 
 
 def dim_roles(plan: Plan) -> list[DimRole]:

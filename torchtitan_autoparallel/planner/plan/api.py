@@ -35,6 +35,7 @@ from torchtitan_autoparallel.planner.solve.base import Solution
 from torchtitan_autoparallel.planner.solve.registry import choose, exact_solver, overlap_solver
 from torchtitan_autoparallel.planner.strategies.repeats import repeated_layer_ties
 from torchtitan_autoparallel.planner.strategies.strategy import Strategy, enumerate_strategies
+from torchtitan_autoparallel.planner.trace.recompute import first_blocks, transformer_blocks
 from torchtitan_autoparallel.planner.trace.trace import TracedStep, trace_training_step
 
 log = logging.getLogger("torchtitan_autoparallel.planner")
@@ -123,7 +124,7 @@ def plan_stages(
         reduce_dtype=o.reduce_dtype,
         loss_fn=o.loss_fn,
         batch=o.batch,
-        activation_checkpoint=o.activation_checkpoint,
+        activation_checkpoint=o.block_recompute or o.activation_checkpoint,
     )
     clock.lap("trace")
     table = enumerate_strategies(traced, mesh, o.strided_sharding)
@@ -172,6 +173,9 @@ def plan_stages(
 # activation_checkpoint = "auto" tries these in turn: each recomputes more of the
 # forward in the backward, so costs more step time and holds fewer activations.
 RECOMPUTE_ORDER = ("none", "selective", "full")
+# Plans "auto" tries between two modes, recomputing the first blocks more: a bisection
+# over the number of blocks, so 2**MIXED_PROBES blocks are told apart.
+MIXED_PROBES = 4
 # Of the device's memory, what "auto" leaves unplanned: the allocator's slack and the
 # runtime's own buffers, which the prediction does not count (it reads 0.91-1.19 of the
 # measured peak on CPU ranks: experiments/memory).
@@ -193,13 +197,15 @@ def plan_fitting(
     *,
     hook_for: Callable[[PlannerOptions], SolveHook | None] = lambda options: None,
 ) -> ExecutablePlan:
-    """``plan_stages``, with each mode's solve hook from ``hook_for``; for
-    ``activation_checkpoint = "auto"``, of the modes of ``RECOMPUTE_ORDER`` whose plan
+    """``plan_stages``, with each solve's hook from ``hook_for``; for
+    ``activation_checkpoint = "auto"``, the recomputation of least step time whose plan
     fits the device (less ``FIT_RESERVE``; each solve already trades step time for
-    memory, ``peak_rows.fit_peak``), the one of least step time. The first mode whose
-    cheapest plan fits as it is ends the search: recomputing more only adds time.
-    Raises ``NothingFits`` when no mode's plan fits, and ``InfeasibleProblem`` when a
-    plan of a given mode is over a given ``memory_budget_gib`` (naming its peak)."""
+    memory, ``peak_rows.fit_peak``). The modes of ``RECOMPUTE_ORDER`` are planned in
+    turn, and the first whose cheapest plan fits as it is ends the search: recomputing
+    more only adds time; between it and the mode before, recomputing only the first
+    blocks more is searched too (``_RecomputeSearch.mixed``). Raises
+    ``NothingFits`` when no plan fits, and ``InfeasibleProblem`` when a plan of a given
+    mode is over a given ``memory_budget_gib`` (naming its peak)."""
     if options.activation_checkpoint != "auto":
         executable = plan_stages(model, mesh, options, solve_hook=hook_for(options))
         _check_budget(executable.plan, options)
@@ -210,28 +216,69 @@ def plan_fitting(
                  options.profile.name)
         none = options.replace(activation_checkpoint="none")
         return plan_stages(model, mesh, none, solve_hook=hook_for(none))
-    peaks: dict[str, float] = {}
-    fitting: list[ExecutablePlan] = []
+    search = _RecomputeSearch(model, mesh, options, hook_for, usable)
+    before = None
     for mode in RECOMPUTE_ORDER:
-        chosen = options.replace(activation_checkpoint=mode)
-        executable = plan_stages(model, mesh, chosen, solve_hook=hook_for(chosen))
+        planned = search.plan(mode)
+        if search.as_is(planned):
+            if before is not None:  # which did not fit as it is
+                search.mixed(before.plan.activation_checkpoint, mode)
+            break
+        before = planned
+    return search.best()
+
+
+class _RecomputeSearch:
+    """The plans ``plan_fitting`` tries for ``activation_checkpoint = "auto"``, and their peaks."""
+
+    def __init__(self, model, mesh, options, hook_for, usable: float) -> None:  # noqa: ANN001
+        self.model, self.mesh, self.options, self.hook_for, self.usable = model, mesh, options, hook_for, usable
+        self.n_blocks = len(transformer_blocks(model))
+        self.peaks: dict[str, float] = {}
+        self.fitting: list[ExecutablePlan] = []
+
+    def plan(self, mode: str, blocks: tuple[str, ...] | None = None) -> ExecutablePlan:
+        chosen = self.options.replace(activation_checkpoint=mode, block_recompute=blocks)
+        executable = plan_stages(self.model, self.mesh, chosen, solve_hook=self.hook_for(chosen))
         plan = executable.plan
-        peaks[mode] = plan.predicted["peak_bytes_per_device"]
-        fits = peaks[mode] <= usable
-        log.info("activation_checkpoint auto: mode %s: the step peaks at %.2f GiB per device, %s %.2f GiB usable; "
-                 "step %.1f us", mode, peaks[mode] / GIB, "within" if fits else "over", usable / GIB, plan.objective)
-        if fits:
-            fitting.append(executable)
-            if not plan.memory_fit:
+        peak = self.peaks[plan.activation_checkpoint] = plan.predicted["peak_bytes_per_device"]
+        log.info("activation_checkpoint auto: %s: the step peaks at %.2f GiB per device, %s %.2f GiB usable%s; "
+                 "step %.1f us", plan.activation_checkpoint, peak / GIB, "within" if self.fits(executable) else "over",
+                 self.usable / GIB, " once resharded" if plan.memory_fit else "", plan.objective)
+        if self.fits(executable):
+            self.fitting.append(executable)
+        return executable
+
+    def fits(self, executable: ExecutablePlan) -> bool:
+        return executable.plan.predicted["peak_bytes_per_device"] <= self.usable
+
+    def as_is(self, executable: ExecutablePlan) -> bool:
+        """Whether the cheapest plan of that recomputation fits without resharding."""
+        return self.fits(executable) and not executable.plan.memory_fit
+
+    def mixed(self, less: str, more: str) -> None:
+        """The fewest leading blocks recomputed as ``more`` (the others as ``less``) whose
+        cheapest plan fits as it is, by bisection over at most ``MIXED_PROBES`` plans: the
+        first blocks' activations live longest, so they are the ones to recompute."""
+        low, high = 0, self.n_blocks  # "less" on all blocks does not fit as is; "more" on all does
+        for _ in range(MIXED_PROBES):
+            if high - low <= 1:
                 break
-    if fitting:
-        best = min(fitting, key=lambda e: e.plan.objective)
-        best.plan.recompute_peaks = peaks
+            k = (low + high) // 2
+            if self.as_is(self.plan(more, first_blocks(more, less, k, self.n_blocks))):
+                high = k
+            else:
+                low = k
+
+    def best(self) -> ExecutablePlan:
+        if not self.fitting:
+            raise NothingFits(
+                f"no recomputation fits: with full recomputation the step peaks at {self.peaks['full'] / GIB:.2f} "
+                f"GiB per device at the lowest, over {_usable_words(self.options)}; {KNOBS}"
+            )
+        best = min(self.fitting, key=lambda e: e.plan.objective)
+        best.plan.recompute_peaks = self.peaks
         return best
-    raise NothingFits(
-        f"no recomputation fits: with full recomputation the step peaks at {peaks['full'] / GIB:.2f} GiB per "
-        f"device at the lowest, over {_usable_words(options)}; {KNOBS}"
-    )
 
 
 KNOBS = ("use more ranks, a smaller training.local_batch_size or training.seq_len, or HSDP "

@@ -57,6 +57,9 @@ class PlannerOptions:
     memory_budget_gib: float | None = None
     export_problem: str | None = None
     activation_checkpoint: Recompute = "none"
+    # each transformer block's mode, in place of activation_checkpoint's one for all
+    # (what "auto" plans between two modes: api.plan_fitting)
+    block_recompute: tuple[str, ...] | None = None
     device_memory_gib: float | None = None
     strided_sharding: bool = False
     overlap: bool = False

@@ -79,9 +79,11 @@ class Plan:
     # its step, or by a plan-only run from the step traced on fake tensors; else empty.
     executed_collectives: list[dict[str, Any]] = field(default_factory=list)
     # The recomputation the step was traced with (activation_checkpoint.mode, or what
-    # "auto" chose), and for "auto" each mode it planned: mode -> whole predicted peak
+    # "auto" chose: a mode, or runs of blocks, "full 0-1, none 2-5"), and for "auto"
+    # each one it planned: mode -> whole predicted peak
     activation_checkpoint: str = "none"
     recompute_peaks: dict[str, float] = field(default_factory=dict)
+    block_recompute: list[str] = field(default_factory=list)  # each block's mode, when they differ
     # When the cheapest plan overflowed the device and was solved again under memory rows:
     # ``Solution.memory_fit`` (usable and reached peaks, the unbounded plan's peak and cost)
     memory_fit: dict[str, float] = field(default_factory=dict)
@@ -168,6 +170,7 @@ def plan_from_solution(
         peak_buckets=[{"kind": k, "bytes": b, "packed_bytes": p} for k, b, p in peak.buckets],
         assignment=x.tolist(),
         activation_checkpoint=traced.activation_checkpoint,
+        block_recompute=list(traced.block_recompute),
         memory_fit=dict(solution.memory_fit),
     )
 

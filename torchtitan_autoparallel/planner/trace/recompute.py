@@ -15,12 +15,18 @@ Modes (``activation_checkpoint.mode``):
 * ``selective``: torchtitan's per-op policy: the outputs of compute-heavy ops
   (matmuls, attention) are saved, except every second matmul; the rest is
   recomputed.
+
+A mode may also be given per block (``block_modes``): the planner's
+``activation_checkpoint = "auto"`` recomputes the first blocks more than the
+others when that is what fits (the first blocks' activations are the ones
+kept longest, from the start of the forward to the end of the backward).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -88,25 +94,52 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(layers.children())
 
 
+def block_modes(mode: str | Sequence[str], n_blocks: int) -> tuple[str, ...]:
+    """Each block's mode: ``mode`` for all, or ``mode[i]`` for block i."""
+    modes = (mode,) * n_blocks if isinstance(mode, str) else tuple(mode)
+    if len(modes) != n_blocks:
+        raise ValueError(f"activation checkpointing modes for {len(modes)} blocks; the model has {n_blocks}")
+    for m in modes:
+        if m not in AC_MODES:
+            raise ValueError(f"activation checkpointing mode {m!r} is not accepted; accepted: {', '.join(AC_MODES)}")
+    return modes
+
+
+def first_blocks(first: str, rest: str, k: int, n_blocks: int) -> tuple[str, ...]:
+    """Blocks 0..k-1 in mode ``first``, the others in ``rest``."""
+    return (first,) * k + (rest,) * (n_blocks - k)
+
+
+def describe(modes: Sequence[str]) -> str:
+    """One mode when all blocks share it, else its runs of blocks: "full 0-1, none 2-5"."""
+    if len(set(modes)) == 1:
+        return modes[0]
+    runs = []
+    for mode, run in itertools.groupby(enumerate(modes), key=lambda im: im[1]):
+        blocks = [i for i, _ in run]
+        runs.append(f"{mode} {blocks[0]}" + (f"-{blocks[-1]}" if len(blocks) > 1 else ""))
+    return ", ".join(runs)
+
+
 @contextmanager
-def checkpointed_blocks(model: nn.Module, mode: str) -> Iterator[None]:
-    """Run every transformer block of ``model`` under activation checkpointing ``mode``.
+def checkpointed_blocks(model: nn.Module, mode: str | Sequence[str]) -> Iterator[None]:
+    """Run each transformer block of ``model`` under activation checkpointing ``mode``
+    (one for all blocks, or one per block: ``block_modes``).
 
     Only the blocks' ``forward`` is swapped (an instance attribute, removed on
     exit), so parameter names stay those of the plain model. The recompute
     runs during the backward, so the caller must keep any reparametrization
     (``functional_call``) open until the gradients are taken.
     """
-    if mode not in AC_MODES:
-        raise ValueError(f"activation checkpointing mode {mode!r} is not accepted; accepted: {', '.join(AC_MODES)}")
     if mode == "none":
         yield
         return
     blocks = transformer_blocks(model)
-    for block in blocks:
+    wrapped = [(b, m) for b, m in zip(blocks, block_modes(mode, len(blocks))) if m != "none"]
+    for block, m in wrapped:
         if "forward" in block.__dict__:
             raise RuntimeError(f"{type(block).__name__}.forward is already overridden on the instance")
-        block.forward = _checkpointed(block.forward, mode)
+        block.forward = _checkpointed(block.forward, m)
     try:
         # Under a proxy mode selective checkpointing assumes torch.compile and
         # only tags nodes for a partitioner, recomputing nothing; this flag
@@ -115,5 +148,5 @@ def checkpointed_blocks(model: nn.Module, mode: str) -> Iterator[None]:
         with torch.compiler._non_strict_tracing_context():
             yield
     finally:
-        for block in blocks:
+        for block, _ in wrapped:
             del block.forward

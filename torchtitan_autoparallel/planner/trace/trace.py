@@ -13,7 +13,7 @@ graph holds the backward down to every parameter gradient.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -25,7 +25,7 @@ from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from torchtitan_autoparallel.models.loss import cross_entropy_loss
-from torchtitan_autoparallel.planner.trace.recompute import checkpointed_blocks
+from torchtitan_autoparallel.planner.trace.recompute import checkpointed_blocks, describe
 
 log = logging.getLogger("torchtitan_autoparallel.planner")
 
@@ -66,7 +66,8 @@ class TracedStep:
     grad_casts: dict[str, fx.Node]
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
-    activation_checkpoint: str = "none"  # the recompute mode traced (recompute.py)
+    activation_checkpoint: str = "none"  # the recompute mode traced (recompute.py), or its runs of blocks
+    block_recompute: tuple[str, ...] = ()  # each block's mode, when they differ
 
     @property
     def num_ops(self) -> int:
@@ -82,14 +83,14 @@ def trace_training_step(
     reduce_dtype: torch.dtype = torch.float32,
     loss_fn: LossFn = cross_entropy_loss,
     batch: BatchSpec | None = None,
-    activation_checkpoint: str = "none",
+    activation_checkpoint: str | Sequence[str] = "none",
 ) -> TracedStep:
     """Trace ``loss_fn(model(tokens), labels)`` and its parameter gradients.
 
     ``batch`` overrides the (batch_size, seq_len) token batch for non-LLM models.
-    ``activation_checkpoint`` ("none", "full", "selective") recomputes each
-    transformer block in the backward; the recomputation is part of the graph
-    (``recompute.py``).
+    ``activation_checkpoint`` ("none", "full", "selective", or one of them per
+    block) recomputes transformer blocks in the backward; the recomputation is
+    part of the graph (``recompute.py``).
     """
     batch = batch or BatchSpec.tokens(batch_size, seq_len)
     names = [n for n, _ in model.named_parameters()]
@@ -131,7 +132,11 @@ def trace_training_step(
     gm.graph.eliminate_dead_code()
     gm.recompile()
     traced = _identify(gm, names, buffer_names, param_dtype, reduce_dtype, mixed)
-    traced.activation_checkpoint = activation_checkpoint
+    if isinstance(activation_checkpoint, str):
+        traced.activation_checkpoint = activation_checkpoint
+    else:
+        traced.activation_checkpoint = describe(activation_checkpoint)
+        traced.block_recompute = tuple(activation_checkpoint) if len(set(activation_checkpoint)) > 1 else ()
     log.info("trace: %d ops, %d parameters", traced.num_ops, len(names))
     return traced
 
