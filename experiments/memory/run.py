@@ -16,9 +16,10 @@ state, buffers such as RoPE's table), the part the prediction calls state.
     .venv/bin/python experiments/memory/run.py [--only llama3] [--ranks 2] [--mesh FSDP,TP] [--ac none,full,auto]
 
 ``auto`` rows plan ``activation_checkpoint.mode = auto`` under a
-``memory_budget_gib`` of ``AUTO_SHARE`` of the same mesh's ``none`` row's
-predicted peak (run that row first): the planner picks the recomputation, and
-how much to reshard, that fits it; the row says which mode it chose.
+``memory_budget_gib`` halfway between the same mesh's ``full`` and ``none``
+rows' predicted peaks (``AUTO_POINT``; run those rows first): the planner
+picks the recomputation, and how much to reshard, that fits it; the row says
+which mode it chose.
 
 Writes ``results.json`` (``{"rows": [{"case", "mesh_kind", "ranks", "ac",
 "predicted_peak_bytes", "measured_peak_bytes", ...}]}``) and ``results.md``
@@ -65,15 +66,21 @@ CASES = [  # (model, flavor, ranks, mesh kinds)
 ]
 # A real model's step on CPU ranks takes minutes at the debug batch: one sequence of 128 tokens.
 FLAVOR_ARGS = {"0.6B": ["--training.local_batch_size", "1", "--training.seq_len", "128"]}
-AUTO_SHARE = 0.8  # of the none row's predicted peak: the budget of an auto row
+AUTO_POINT = 0.5  # an auto row's budget: this far from the full row's prediction to the none row's
 
 
 def auto_budget(rows: list[dict], model: str, flavor: str, ranks: int, kind: str) -> float:
-    """The memory budget (bytes) of an auto row: ``AUTO_SHARE`` of its none row's prediction."""
+    """The memory budget (bytes) of an auto row: ``AUTO_POINT`` of the way from its mesh's
+    full row's predicted peak up to its none row's. Below the none prediction, so the
+    planner has to recompute or reshard; above the full one, so a plan fits."""
+    peaks = {}
     for r in rows:
-        if _key(r) == (f"{model} {flavor}", kind, ranks, "none") and "predicted_peak_bytes" in r:
-            return AUTO_SHARE * r["predicted_peak_bytes"]
-    raise SystemExit(f"error: no ac=none row for {model} {flavor} {kind} on {ranks} ranks; run it before its auto row")
+        if _key(r)[:3] == (f"{model} {flavor}", kind, ranks) and "predicted_peak_bytes" in r:
+            peaks[r["ac"]] = r["predicted_peak_bytes"]
+    if "none" not in peaks or "full" not in peaks:
+        raise SystemExit(f"error: no ac=none and ac=full rows for {model} {flavor} {kind} on {ranks} ranks; "
+                         f"run them before its auto row (--ac none,full,auto)")
+    return peaks["full"] + AUTO_POINT * (peaks["none"] - peaks["full"])
 
 
 def run_case(
@@ -150,7 +157,7 @@ def main() -> int:
     p.add_argument("--only", help="run the cases whose model or flavor is this (llama3, qwen3, debugmodel, 0.6B)")
     p.add_argument("--steps", type=int, default=3, help="steps per run; the last one is measured")
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--ac", default="none,full", help="activation_checkpoint.mode values to run, comma-separated")
+    p.add_argument("--ac", default="none,full,auto", help="activation_checkpoint.mode values to run, comma-separated")
     p.add_argument("--ranks", help="run only these rank counts, comma-separated")
     p.add_argument("--mesh", help="run only these mesh kinds (DDP, FSDP, TP, FSDPxTP), comma-separated")
     a = p.parse_args()

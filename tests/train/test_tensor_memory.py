@@ -7,7 +7,12 @@ import json
 
 import torch
 
-from torchtitan_autoparallel.train.tensor_memory import TensorMemoryProbe, live_tensor_bytes, replay_allocations
+from torchtitan_autoparallel.train.tensor_memory import (
+    TensorMemoryProbe,
+    _frees_unseen,
+    live_tensor_bytes,
+    replay_allocations,
+)
 
 MB = 10**6
 
@@ -64,3 +69,13 @@ def test_a_free_the_profiler_missed_ends_when_its_address_is_handed_out_again() 
     assert replay_allocations(events) == [100, 150, 80, 30, 40]
     # A free of a storage made before the span was never counted: nothing to take off.
     assert replay_allocations([(0xD, -64), (0xE, 8)]) == [0, 8]
+
+
+def test_a_free_the_profiler_missed_ends_at_the_next_wait_when_no_tensor_holds_it() -> None:
+    """gloo's copy of a reduce-scatter's input is freed on its worker thread, unseen, and its
+    address may never be reused: when no tensor holds it at the step's end, it ends at the
+    first collective wait after it (its work done), else at the end of the op that made it."""
+    # (time, address, size, end of the op that made it)
+    events = [(1, 0xA, 100, 2), (3, 0xB, 50, 4), (5, 0xB, -50, 5), (6, 0xC, 8, 7), (9, 0xD, 4, 10)]
+    assert _frees_unseen(events, waits=[4, 8], alive_at_end={0xC}) == [(4, 0xA, -100), (10, 0xD, -4)]
+    assert _frees_unseen(events, waits=[], alive_at_end={0xA, 0xC, 0xD}) == []

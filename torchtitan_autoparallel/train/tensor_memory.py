@@ -27,8 +27,11 @@ from the events, and the profiler's total kept the buffer for the rest of
 the step: which rank lost the race decided whether a 21 MiB packed gradient
 bucket counted once or twice. The allocator cannot hand out an address that
 is still live, so a new allocation at a recorded address ends the buffer
-recorded there; a buffer whose free is missing and whose address is not
-reused still counts to the step's end (an upper bound).
+recorded there. A buffer whose free is missing and whose address is not
+reused, but which no tensor holds at the step's end (gloo's copy of a
+reduce-scatter's input, made inside the collective op), was freed unseen:
+it ends at the first collective wait that finishes after it was made, when
+the work that held it is done (or at its own op's end if no wait follows).
 
 The profiler slows the measured step, so the probe runs on one step, and the
 plan check's timings of that step are not comparable with the others.
@@ -36,6 +39,7 @@ plan check's timings of that step are not comparable with the others.
 
 from __future__ import annotations
 
+import bisect
 import gc
 import json
 import logging
@@ -50,6 +54,7 @@ from torch.profiler import ProfilerActivity, profile
 logger = logging.getLogger("torchtitan_autoparallel")
 GIB = 2**30
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_WAIT = "wait_tensor"  # a collective's wait (_c10d_functional::wait_tensor): its work is done
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,11 @@ def live_tensor_bytes() -> int:
     Plain tensors and parameters only: a wrapper subclass (DTensor) holds its data in a
     plain local tensor, counted on its own, and the planner's fake tensors hold none.
     """
+    return sum(live_storages().values())
+
+
+def live_storages() -> dict[int, int]:
+    """Address -> bytes of each distinct CPU storage of the tensors Python can reach now."""
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
         if type(obj) not in _PLAIN or obj.device.type != "cpu":
@@ -78,21 +88,42 @@ def live_tensor_bytes() -> int:
             continue
         if ptr:
             seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
-    return sum(seen.values())
+    return seen
 
 
-def _allocation_totals(prof: profile) -> list[int]:
+def _allocation_totals(prof: profile, alive_at_end: set[int]) -> list[int]:
     """Bytes allocated in the profiled span and not yet freed, after each recorded
-    allocation or free, in order (replayed by address: see the module docstring)."""
-    events = []
+    allocation or free, in order (replayed by address: see the module docstring).
+    ``alive_at_end``: the addresses of the storages tensors hold once the span ended."""
+    events, waits = [], []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
             f = node.extra_fields
-            events.append((node.start_time_ns, f.ptr, f.alloc_size))
+            op_end = node.parent.end_time_ns if node.parent is not None else node.start_time_ns
+            events.append((node.start_time_ns, f.ptr, f.alloc_size, op_end))
+        elif _WAIT in node.name:
+            waits.append(node.end_time_ns)
         stack.extend(node.children)
-    return replay_allocations(ptr_size for _, *ptr_size in sorted(events))
+    events.sort()
+    unseen = _frees_unseen(events, sorted(waits), alive_at_end)
+    return replay_allocations(ptr_size for _, *ptr_size in sorted([*(e[:3] for e in events), *unseen]))
+
+
+def _frees_unseen(events: list[tuple], waits: list[int], alive_at_end: set[int]) -> list[tuple[int, int, int]]:
+    """A free event (time, address, -size) for each buffer the replay would leave live
+    at the span's end though no tensor holds it then: at the first wait finishing
+    after its allocation, else at the end of the op that made it."""
+    last: dict[int, tuple] = {}  # address -> its latest event
+    for event in events:
+        last[event[1]] = event
+    out = []
+    for time_ns, ptr, size, op_end in last.values():
+        if size > 0 and ptr not in alive_at_end:
+            later = bisect.bisect_right(waits, time_ns)
+            out.append((waits[later] if later < len(waits) else op_end, ptr, -size))
+    return out
 
 
 def replay_allocations(events: Iterable[tuple[int, int]]) -> list[int]:
@@ -149,7 +180,7 @@ class TensorMemoryProbe:
     def _finish(self) -> None:
         assert self.prof is not None
         self.prof.__exit__(None, None, None)
-        totals = _allocation_totals(self.prof)
+        totals = _allocation_totals(self.prof, set(live_storages()))
         self.prof = None
         self.result = TensorMemory(
             step=self.measured_step,
