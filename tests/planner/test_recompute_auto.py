@@ -24,15 +24,21 @@ GIB = 2**30
 pytestmark = pytest.mark.usefixtures("fake_world")
 
 
-@pytest.fixture(scope="module")
-def plans() -> dict:
+def _planner(mesh_dim: str):
+    """Plans of the 4-block debug model over 8 ranks of ``mesh_dim``, by mode and device memory."""
     model = build_meta_model("llama3", "debugmodel", n_layers=4)
-    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=(mesh_dim,))
 
     def plan(mode: str, device_gib: float | None = None) -> Plan:
         return plan_training_step(model, mesh, global_batch_size=8, seq_len=256, profile=load_profile("h100"),
                                   activation_checkpoint=mode, device_memory_gib=device_gib)
 
+    return plan
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict:
+    plan = _planner("dp_shard")
     none, full = plan("none"), plan("full")
     # below full recomputation's own peak: no plan without recomputation gets there
     squeezed = 0.9 * full.predicted["peak_bytes_per_device"]
@@ -78,16 +84,10 @@ def test_a_device_just_over_full_recomputation_is_met_by_resharding(plans) -> No
     assert "The cheapest plan would peak at" in " ".join(plan_words(auto))
 
 
-def test_recomputing_the_first_blocks_only_is_cheaper_than_all(fake_world) -> None:
+def test_recomputing_the_first_blocks_only_is_cheaper_than_all() -> None:
     """Over DDP no resharding saves memory: a device just under the plain step's peak is met
     by recomputing the first blocks only, for less step time than recomputing all."""
-    model = build_meta_model("llama3", "debugmodel", n_layers=4)
-    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_replicate",))
-
-    def plan(mode: str, device_gib: float | None = None) -> Plan:
-        return plan_training_step(model, mesh, global_batch_size=8, seq_len=256, profile=load_profile("h100"),
-                                  activation_checkpoint=mode, device_memory_gib=device_gib)
-
+    plan = _planner("dp_replicate")
     none, selective = plan("none"), plan("selective")
     usable = 1.1 * selective.predicted["peak_bytes_per_device"]
     assert usable < none.predicted["peak_bytes_per_device"]
