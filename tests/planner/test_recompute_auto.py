@@ -150,3 +150,18 @@ def test_a_budget_no_plan_meets_is_one_line_naming_the_lowest_peak(plans) -> Non
     message = str(e.value)
     assert "\n" not in message and f"within the memory budget of {full / 3 / GIB:.2f} GiB" in message
     assert "the lowest found peaks at" in message and "activation_checkpoint.mode = full or auto" in message
+
+
+def test_an_overlap_plan_is_fitted_too() -> None:
+    """With [autoparallel] overlap the cheapest plan is fitted to the device as well; the
+    rows' solves price the step without the overlap (the price is read from the tables)."""
+    model = build_meta_model("llama3", "debugmodel", n_layers=2)
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))
+    options = dict(global_batch_size=8, seq_len=256, profile=load_profile("h100"), overlap=True)
+    free = plan_training_step(model, mesh, **options)
+    usable = 0.8 * free.predicted["peak_bytes_per_device"]
+    fitted = plan_training_step(model, mesh, device_memory_gib=_device_gib(usable), **options)
+    assert fitted.predicted["peak_bytes_per_device"] <= usable and fitted.memory_fit["fits"] == 1.0
+    assert fitted.memory_fit["unbounded_peak_bytes"] == pytest.approx(free.predicted["peak_bytes_per_device"])
+    assert fitted.objective > fitted.memory_fit["unbounded_objective"]  # fitting costs step time
+    assert "effective_us" in fitted.predicted  # the overlap is still predicted for the plan kept

@@ -25,7 +25,7 @@ from torchtitan_autoparallel import jit
 from torchtitan_autoparallel.planner.cost.profiles import HardwareProfile
 from torchtitan_autoparallel.planner.cost.step_terms import add_step_terms
 from torchtitan_autoparallel.planner.plan.options import PlannerOptions
-from torchtitan_autoparallel.planner.plan.overlap import add_overlap_prediction, overlap_spec
+from torchtitan_autoparallel.planner.plan.overlap import add_overlap_prediction, effective_us, overlap_spec
 from torchtitan_autoparallel.planner.plan.peak_rows import fit_peak
 from torchtitan_autoparallel.planner.plan.plan import Plan, plan_from_solution
 from torchtitan_autoparallel.planner.problem.build import BuiltProblem, build_problem
@@ -142,18 +142,18 @@ def plan_stages(
 
     def solve() -> Solution:  # on the solving rank only
         if spec is not None:
-            return overlap_solver(o.solver, o.ilp_backend, spec, mip_gap=o.mip_gap).solve(
-                built.problem, o.time_limit_s
-            )
-        if o.solver == "ilp":
-            _hint_when_exact_is_slow(built.problem)
-        chosen = get_solver(o.solver, o.ilp_backend, optimality_check=o.optimality_check, mip_gap=o.mip_gap)
+            chosen = overlap_solver(o.solver, o.ilp_backend, spec, mip_gap=o.mip_gap)
+        else:
+            if o.solver == "ilp":
+                _hint_when_exact_is_slow(built.problem)
+            chosen = get_solver(o.solver, o.ilp_backend, optimality_check=o.optimality_check, mip_gap=o.mip_gap)
         solution = chosen.solve(built.problem, o.time_limit_s)
         usable = usable_bytes(o)
         if not usable:
             return solution
+        price = None if spec is None else functools.partial(effective_us, built, spec)
         return fit_peak(built, traced, solution, usable, time_limit_s=o.time_limit_s,
-                        solver=exact_solver(o.ilp_backend, max(o.mip_gap or 0.0, ROWS_MIP_GAP)))
+                        solver=exact_solver(o.ilp_backend, max(o.mip_gap or 0.0, ROWS_MIP_GAP)), price=price)
 
     solution = solve_hook(built, solve) if solve_hook else solve()
     _log_solution(solution, o.time_limit_s)

@@ -66,3 +66,8 @@ def add_overlap_prediction(plan: Plan, built: BuiltProblem, spec: OverlapSpec, a
     plan.predicted["overlap_savings_us"] = savings
     plan.predicted["effective_us"] = plan.predicted["total_us"] - savings
     return savings
+
+
+def effective_us(built: BuiltProblem, spec: OverlapSpec, assignment: np.ndarray) -> float:
+    """The step time of a plan with what the overlap hides taken off (the overlap solver's objective)."""
+    return float(built.problem.energy(assignment)) - overlap_breakdown(built.problem, spec, assignment).total

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -228,20 +229,23 @@ def over_limit(totals: np.ndarray, usable: float) -> list[int]:
 
 def fit_peak(
     built: BuiltProblem, traced: TracedStep, solution: Solution, usable: float, *,
-    time_limit_s: float | None, solver: IlpSolver,
+    time_limit_s: float | None, solver: IlpSolver, price: Callable[[np.ndarray], float] | None = None,
 ) -> Solution:
     """``solution``, or when its whole peak exceeds ``usable`` bytes, the cheapest plan the
     solve finds under rows at the positions over it (module docstring). Each round walks
     the new plan and adds the rows of the positions still over, read from it: each is
     exact at the plan it was read from, which it cuts off, so no plan comes back and the
     rounds make progress. Keeps the lowest peak, with a warning, when none fits; either
-    way ``memory_fit`` says what was done."""
+    way ``memory_fit`` says what was done. The solves under rows minimise the tables'
+    step time; ``price`` (default: that) is the objective the plans are reported at
+    (``[autoparallel] overlap``'s, with the hidden collectives taken off)."""
     memory = StepMemory(built, traced, solution.assignment)
     if memory.peak <= usable:
         return solution
     start = time.perf_counter()
+    price = price or built.problem.energy
     unbounded = {"usable_bytes": usable, "unbounded_peak_bytes": memory.peak,
-                 "unbounded_objective": float(solution.objective)}
+                 "unbounded_objective": float(price(solution.assignment))}
     rows: list[MemoryRow] = []
     best = (memory.peak, solution)
     stalled = 0
@@ -274,6 +278,7 @@ def fit_peak(
         log.warning("keeping the plan of the lowest peak found, %.2f GiB per device, over %.2f GiB usable",
                     best[0] / GIB, usable / GIB)
     peak, kept = best
+    kept.objective = float(price(kept.assignment))
     kept.memory_fit = {**unbounded, "peak_bytes": peak, "rounds": float(rounds), "rows": float(len(rows)),
                        "fits": float(peak <= usable)}
     return kept
