@@ -97,7 +97,7 @@ def test_recomputing_the_first_blocks_only_is_cheaper_than_all() -> None:
     assert auto.predicted["peak_bytes_per_device"] <= usable and not auto.memory_fit
     assert none.objective < auto.objective < selective.objective
     said = " ".join(plan_words(auto))
-    assert "Recomputes part of the forward of blocks 0" in said and "nothing of blocks" in said, said
+    assert "Recomputes part of the forward of block" in said and "nothing of block" in said, said
 
 
 def test_when_nothing_fits_the_error_names_the_smallest_peak_and_the_knobs(plans) -> None:

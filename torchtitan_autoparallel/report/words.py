@@ -78,7 +78,8 @@ def _recompute_words(plan: Plan) -> list[str]:
                 "the device (activation_checkpoint auto)."]
     if plan.block_recompute:
         of = {"full": "the whole forward of", "selective": "part of the forward of", "none": "nothing of"}
-        said = "Recomputes " + ", ".join(f"{of.get(m, m)} blocks {r}" for m, r in _runs(mode)) + " in the backward"
+        runs = (f"{of.get(m, m)} block{'s' if '-' in r else ''} {r}" for m, r in _runs(mode))
+        said = "Recomputes " + ", ".join(runs) + " in the backward"
     else:
         said = f"Recomputes {what.get(mode, mode)} in the backward"
     if not peaks:
