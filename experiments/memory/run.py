@@ -67,12 +67,14 @@ CASES = [  # (model, flavor, ranks, mesh kinds)
 # A real model's step on CPU ranks takes minutes at the debug batch: one sequence of 128 tokens.
 FLAVOR_ARGS = {"0.6B": ["--training.local_batch_size", "1", "--training.seq_len", "128"]}
 AUTO_POINT = 0.5  # an auto row's budget: this far from the full row's prediction to the none row's
+AUTO_FLOOR = 1.01  # and at least this much of the full row's (none and full may peak alike)
 
 
 def auto_budget(rows: list[dict], model: str, flavor: str, ranks: int, kind: str) -> float:
     """The memory budget (bytes) of an auto row: ``AUTO_POINT`` of the way from its mesh's
-    full row's predicted peak up to its none row's. Below the none prediction, so the
-    planner has to recompute or reshard; above the full one, so a plan fits."""
+    full row's predicted peak up to its none row's, and at least ``AUTO_FLOOR`` of the
+    full one: where recomputing moves the peak, the planner has to recompute or reshard;
+    where it does not (the state's peak), the budget is just over it."""
     peaks = {}
     for r in rows:
         if _key(r)[:3] == (f"{model} {flavor}", kind, ranks) and "predicted_peak_bytes" in r:
@@ -80,7 +82,7 @@ def auto_budget(rows: list[dict], model: str, flavor: str, ranks: int, kind: str
     if "none" not in peaks or "full" not in peaks:
         raise SystemExit(f"error: no ac=none and ac=full rows for {model} {flavor} {kind} on {ranks} ranks; "
                          f"run them before its auto row (--ac none,full,auto)")
-    return peaks["full"] + AUTO_POINT * (peaks["none"] - peaks["full"])
+    return max(peaks["full"] + AUTO_POINT * (peaks["none"] - peaks["full"]), AUTO_FLOOR * peaks["full"])
 
 
 def run_case(

@@ -177,7 +177,7 @@ RECOMPUTE_ORDER = ("none", "selective", "full")
 # over the number of blocks, so 2**MIXED_PROBES blocks are told apart.
 MIXED_PROBES = 4
 # Of the device's memory, what "auto" leaves unplanned: the allocator's slack and the
-# runtime's own buffers, which the prediction does not count (it reads 0.91-1.19 of the
+# runtime's own buffers, which the prediction does not count (it reads 0.91-1.09 of the
 # measured peak on CPU ranks: experiments/memory).
 FIT_RESERVE = 0.10
 # The solves under memory rows stop within this relative gap: the rows make the MIP a
