@@ -20,6 +20,7 @@ from torchtitan_autoparallel import compat
 from torchtitan_autoparallel.compat import VersionError
 from torchtitan_autoparallel.models.registry import build_meta_model, build_model_config
 from torchtitan_autoparallel.planner.strategies.rules import nll_loss_backward_rule, nll_loss_forward_rule
+from torchtitan_autoparallel.planner.trace.trace import trace_training_step
 
 aten = torch.ops.aten
 
@@ -141,3 +142,19 @@ def test_fit_rope_shortens_the_cache_and_keeps_its_rows(family: str) -> None:
     for name, cache in long_buffers.items():
         assert short[name].shape[0] == 64
         assert torch.equal(short[name], cache[:64])
+
+
+def test_activation_checkpointing_recomputes_in_the_trace_on_every_torch() -> None:
+    """make_fx of the step runs checkpointed blocks for real (``compat.checkpoint_for_real``):
+    full recomputation reruns each block's attention in the backward, selective reruns
+    some matmuls and no attention, per-block modes only where asked; and the hook is gone after."""
+    model = build_meta_model("llama3", "debugmodel", n_layers=2)
+    sdpa, mm = aten._scaled_dot_product_flash_attention_for_cpu.default, aten.mm.default
+
+    def calls(mode, op) -> int:
+        return sum(n.target is op for n in trace_training_step(model, 2, 32, activation_checkpoint=mode).graph.graph.nodes)
+
+    assert calls("full", sdpa) == calls("none", sdpa) + 2 == 4
+    assert calls(("full", "none"), sdpa) == 3
+    assert calls("selective", sdpa) == 2 and calls("selective", mm) > calls("none", mm)
+    assert compat.checkpoint_module._is_compiling.__name__ == "_is_compiling"

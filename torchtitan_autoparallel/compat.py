@@ -17,6 +17,11 @@ release in between takes whichever path its features allow:
   ``torch_single_dim_rule`` and otherwise follows the op's full-mesh strategy.
 - ``torch.distributed.set_timeout`` (public in newer torch; torch 2.11 has
   the private ``_set_pg_timeout``).
+- Activation checkpointing under ``make_fx``: ``torch.utils.checkpoint``
+  takes any proxy mode for torch.compile's tracing, where a selective policy
+  only tags nodes. Newer torch has ``torch.compiler._non_strict_tracing_context``
+  to say the trace runs it for real; on torch 2.11 ``checkpoint_for_real``
+  answers checkpoint's own question (``_is_compiling``) instead.
 
 ``check_versions`` is the gate: an unsupported pair ends in one line, before
 any rank starts, instead of an ImportError somewhere inside torchtitan.
@@ -29,6 +34,8 @@ import functools
 import importlib
 import importlib.metadata
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from types import ModuleType
@@ -36,6 +43,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint as checkpoint_module
 from torch import nn
 
 from torchtitan_autoparallel.errors import UserError
@@ -99,6 +107,23 @@ def set_timeout(timeout: timedelta, group: dist.ProcessGroup) -> None:
 
 
 # ---------------------------------------------------------------- torchtitan's models
+
+
+@contextmanager
+def checkpoint_for_real() -> Iterator[None]:
+    """``torch.utils.checkpoint`` saves and recomputes for real under ``make_fx`` (the
+    module docstring), instead of tagging nodes for a compiler's partitioner."""
+    flag = getattr(torch.compiler, "_non_strict_tracing_context", None)
+    if flag is not None:
+        with flag():
+            yield
+        return
+    asked = checkpoint_module._is_compiling
+    checkpoint_module._is_compiling = lambda func, args, kwargs: False
+    try:
+        yield
+    finally:
+        checkpoint_module._is_compiling = asked
 
 
 def model_api() -> str:

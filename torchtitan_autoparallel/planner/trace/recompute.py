@@ -33,6 +33,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from torchtitan_autoparallel.compat import checkpoint_for_real
+
 AC_MODES = ("none", "full", "selective")
 
 _MM_OPS = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
@@ -142,10 +144,10 @@ def checkpointed_blocks(model: nn.Module, mode: str | Sequence[str]) -> Iterator
         block.forward = _checkpointed(block.forward, m)
     try:
         # Under a proxy mode selective checkpointing assumes torch.compile and
-        # only tags nodes for a partitioner, recomputing nothing; this flag
-        # says the trace is make_fx of a whole training step, so it saves and
-        # recomputes for real and the graph shows it.
-        with torch.compiler._non_strict_tracing_context():
+        # only tags nodes for a partitioner, recomputing nothing; the trace is
+        # make_fx of a whole training step, so it must save and recompute for
+        # real for the graph to show it.
+        with checkpoint_for_real():
             yield
     finally:
         for block, _ in wrapped:
