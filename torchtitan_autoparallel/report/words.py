@@ -26,6 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from torchtitan_autoparallel.planner.plan.plan import Plan
+from torchtitan_autoparallel.planner.trace.recompute import block_runs
 from torchtitan_autoparallel.report.common import fmt_bytes, short_name, split_layer
 
 _SHARD = re.compile(r"^S+\((\d+)")  # S(d) and strided SS(d,k): sharded on tensor dim d
@@ -78,7 +79,7 @@ def _recompute_words(plan: Plan) -> list[str]:
                 "the device (activation_checkpoint auto)."]
     if plan.block_recompute:
         of = {"full": "the whole forward of", "selective": "part of the forward of", "none": "nothing of"}
-        runs = (f"{of.get(m, m)} block{'s' if '-' in r else ''} {r}" for m, r in _runs(mode))
+        runs = (f"{of.get(m, m)} block{'s' if '-' in r else ''} {r}" for m, r in block_runs(plan.block_recompute))
         said = "Recomputes " + ", ".join(runs) + " in the backward"
     else:
         said = f"Recomputes {what.get(mode, mode)} in the backward"
@@ -87,11 +88,6 @@ def _recompute_words(plan: Plan) -> list[str]:
     over = "; ".join(f"{m}: {fmt_bytes(b)}" for m, b in peaks.items() if m != mode)
     return [f"{said}: of the recomputations whose plan fits the device, the one of least step time; the "
             f"others' plans peak at {over} per device (activation_checkpoint auto; this one: {fmt_bytes(peaks[mode])})."]
-
-
-def _runs(described: str) -> list[tuple[str, str]]:
-    """("full", "0-1"), ("none", "2-5") from a per-block description, "full 0-1, none 2-5"."""
-    return [tuple(run.split(" ")) for run in described.split(", ")]
 
 
 def dim_roles(plan: Plan) -> list[DimRole]:

@@ -242,10 +242,11 @@ class _RecomputeSearch:
         executable = plan_stages(self.model, self.mesh, chosen, solve_hook=self.hook_for(chosen))
         plan = executable.plan
         peak = self.peaks[plan.activation_checkpoint] = plan.predicted["peak_bytes_per_device"]
+        fits = self.fits(executable)
         log.info("activation_checkpoint auto: %s: the step peaks at %.2f GiB per device, %s %.2f GiB usable%s; "
-                 "step %.1f us", plan.activation_checkpoint, peak / GIB, "within" if self.fits(executable) else "over",
+                 "step %.1f us", plan.activation_checkpoint, peak / GIB, "within" if fits else "over",
                  self.usable / GIB, " once resharded" if plan.memory_fit else "", plan.objective)
-        if self.fits(executable):
+        if fits:
             self.fitting.append(executable)
         return executable
 

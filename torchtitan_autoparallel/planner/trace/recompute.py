@@ -112,15 +112,20 @@ def first_blocks(first: str, rest: str, k: int, n_blocks: int) -> tuple[str, ...
     return (first,) * k + (rest,) * (n_blocks - k)
 
 
+def block_runs(modes: Sequence[str]) -> list[tuple[str, str]]:
+    """Each run of blocks sharing a mode, as (mode, "0-1") or (mode, "2") for one block."""
+    runs = []
+    for mode, run in itertools.groupby(enumerate(modes), key=lambda im: im[1]):
+        blocks = [i for i, _ in run]
+        runs.append((mode, f"{blocks[0]}" + (f"-{blocks[-1]}" if len(blocks) > 1 else "")))
+    return runs
+
+
 def describe(modes: Sequence[str]) -> str:
     """One mode when all blocks share it, else its runs of blocks: "full 0-1, none 2-5"."""
     if len(set(modes)) == 1:
         return modes[0]
-    runs = []
-    for mode, run in itertools.groupby(enumerate(modes), key=lambda im: im[1]):
-        blocks = [i for i, _ in run]
-        runs.append(f"{mode} {blocks[0]}" + (f"-{blocks[-1]}" if len(blocks) > 1 else ""))
-    return ", ".join(runs)
+    return ", ".join(f"{mode} {blocks}" for mode, blocks in block_runs(modes))
 
 
 @contextmanager
