@@ -1,11 +1,12 @@
-"""activation_checkpoint = "auto": of the recomputation modes whose plan fits the device (each
-solve trading step time for memory first), the one of least step time."""
+"""activation_checkpoint = "auto": each block's recomputation chosen by the solve that fits the
+device, against resharding, and the chosen modes traced and planned."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -14,8 +15,16 @@ from torchtitan_autoparallel.errors import ConfigError
 from torchtitan_autoparallel.launch.preflight import check
 from torchtitan_autoparallel.models.registry import build_meta_model
 from torchtitan_autoparallel.planner.cost.profiles import load_profile
-from torchtitan_autoparallel.planner.plan.api import FIT_RESERVE, NothingFits, plan_training_step
+from torchtitan_autoparallel.planner.plan.api import (
+    FIT_RESERVE,
+    RECOMPUTE_TRACES,
+    NothingFits,
+    plan_stages,
+    plan_training_step,
+)
+from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.plan.plan import Plan
+from torchtitan_autoparallel.planner.plan.recompute_choice import JointMemory, recompute_choice
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem
 from torchtitan_autoparallel.report.common import fmt_bytes
 from torchtitan_autoparallel.report.words import plan_words
@@ -53,7 +62,7 @@ def _device_gib(usable_bytes: float) -> float:
 def test_without_pressure_auto_recomputes_nothing(plans) -> None:
     none = plans["none"]
     auto = plans["plan"]("auto", _device_gib(2 * none.predicted["peak_bytes_per_device"]))
-    assert auto.activation_checkpoint == "none" and list(auto.recompute_peaks) == ["none"]
+    assert auto.activation_checkpoint == "none" and [t["traced"] for t in auto.recompute_choice["tried"]] == ["none"]
     assert auto.objective == pytest.approx(none.objective)
 
 
@@ -61,43 +70,74 @@ def test_a_device_the_plain_step_overflows_gets_recomputation(plans) -> None:
     none, full = plans["none"].predicted["peak_bytes_per_device"], plans["full"].predicted["peak_bytes_per_device"]
     assert full < none
     usable, auto = plans["usable"], plans["auto"]
-    assert auto.activation_checkpoint in ("selective", "full")
-    # without recomputation even the plan solved under the bound stays over it
-    assert usable < auto.recompute_peaks["none"] <= none
+    assert set(auto.block_recompute or [auto.activation_checkpoint]) - {"none"}
+    # the solve on the plain trace chose the recomputation, and its trace was planned after
+    tried = auto.recompute_choice["tried"]
+    assert tried[0]["traced"] == "none" and tried[-1]["traced"] == auto.activation_checkpoint
+    assert 2 <= len(tried) <= RECOMPUTE_TRACES + 1
+    assert auto.recompute_choice["unbounded_peak_bytes"] == pytest.approx(none)
     assert auto.predicted["peak_bytes_per_device"] <= usable
     # recomputation costs step time: the plan is dearer than the one that does not fit
     assert auto.objective > plans["none"].objective
 
 
-def test_a_device_just_over_full_recomputation_is_met_by_resharding(plans) -> None:
+def test_a_device_just_over_full_recomputation_costs_less_than_full_recomputation(plans) -> None:
     """Between full recomputation's peak and the plain step's, the solve keeps fewer copies
-    alive instead, and that is cheaper than recomputing."""
+    alive or recomputes only some blocks: either is cheaper than recomputing all."""
     none, full = plans["none"], plans["full"]
     usable = 1.02 * full.predicted["peak_bytes_per_device"]
     auto = plans["plan"]("auto", _device_gib(usable))
-    assert auto.activation_checkpoint == "none"
     assert auto.predicted["peak_bytes_per_device"] <= usable < none.predicted["peak_bytes_per_device"]
     assert none.objective < auto.objective < full.objective
-    fit = auto.memory_fit
-    assert fit["fits"] == 1.0 and fit["unbounded_peak_bytes"] == pytest.approx(none.predicted["peak_bytes_per_device"])
-    assert fit["peak_bytes"] == pytest.approx(auto.predicted["peak_bytes_per_device"])
-    assert "The cheapest plan would peak at" in " ".join(plan_words(auto))
 
 
-def test_recomputing_the_first_blocks_only_is_cheaper_than_all() -> None:
+def test_a_device_met_by_resharding_alone_recomputes_nothing(plans) -> None:
+    """A quarter of the way from full recomputation's peak to the plain step's, keeping
+    weights sharded through the backward fits for less step time than any recomputation."""
+    none, full = plans["none"], plans["full"]
+    usable = full.predicted["peak_bytes_per_device"] + 0.25 * (
+        none.predicted["peak_bytes_per_device"] - full.predicted["peak_bytes_per_device"])
+    auto = plans["plan"]("auto", _device_gib(usable))
+    assert auto.activation_checkpoint == "none" and auto.memory_fit["fits"] == 1.0
+    assert auto.predicted["peak_bytes_per_device"] <= usable and auto.objective < full.objective
+    said = " ".join(plan_words(auto))
+    assert "Recomputes nothing" in said and "once resharded" in said and "The cheapest plan would peak at" in said
+
+
+def test_recomputing_some_blocks_only_is_cheaper_than_all() -> None:
     """Over DDP no resharding saves memory: a device just under the plain step's peak is met
-    by recomputing the first blocks only, for less step time than recomputing all."""
+    by recomputing some blocks only, for less step time than recomputing all."""
     plan = _planner("dp_replicate")
     none, selective = plan("none"), plan("selective")
     usable = 1.1 * selective.predicted["peak_bytes_per_device"]
     assert usable < none.predicted["peak_bytes_per_device"]
     auto = plan("auto", _device_gib(usable))
-    assert auto.block_recompute[0] == "selective" and auto.block_recompute[-1] == "none"
-    assert auto.activation_checkpoint in auto.recompute_peaks and "selective" in auto.recompute_peaks
+    assert "none" in auto.block_recompute and set(auto.block_recompute) - {"none"}
     assert auto.predicted["peak_bytes_per_device"] <= usable and not auto.memory_fit
     assert none.objective < auto.objective < selective.objective
     said = " ".join(plan_words(auto))
-    assert "Recomputes part of the forward of block" in said and "nothing of block" in said, said
+    assert "Recomputes " in said and "nothing of block" in said, said
+    assert "the solve that fits the step's peak chose this, block by block" in said
+
+
+@pytest.mark.parametrize("mesh_dim", ["dp_replicate", "dp_shard"])
+def test_full_recomputation_priced_on_the_plain_trace_walks_as_its_own_trace(mesh_dim: str) -> None:
+    """The solve prices each block's recomputation on the trace without it; at the plain
+    plan's placements, recomputing every block fully is predicted to peak as the full
+    trace's plan does (DDP: its step time too, within what the full plan re-places)."""
+    model = build_meta_model("llama3", "debugmodel", n_layers=4)
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=(mesh_dim,))
+    options = PlannerOptions(global_batch_size=8, seq_len=256, profile=load_profile("h100"))
+    plain, full = plan_stages(model, mesh, options), plan_stages(model, mesh, options.replace(activation_checkpoint="full"))
+    choice = recompute_choice(plain.built, plain.traced, plain.solution.assignment)
+    assert [b.options for b in choice.blocks] == [("none", "selective", "full")] * 4
+    all_full = np.concatenate([plain.solution.assignment, np.full(len(choice.blocks), 2)])
+    predicted = JointMemory(plain.built, plain.traced, all_full, choice).peak
+    assert predicted == pytest.approx(full.plan.predicted["peak_bytes_per_device"], rel=0.01)
+    assert predicted < plain.plan.predicted["peak_bytes_per_device"]
+    if mesh_dim == "dp_replicate":
+        priced = sum(cost[2] for cost in choice.cost_us)
+        assert priced == pytest.approx(full.plan.objective - plain.plan.objective, rel=0.15)
 
 
 def test_when_nothing_fits_the_error_names_the_smallest_peak_and_the_knobs(plans) -> None:
@@ -120,8 +160,9 @@ def test_auto_is_refused_for_a_hand_written_plan(tmp_path: Path) -> None:
 
 def test_the_plan_says_what_it_recomputes_and_why(plans) -> None:
     said = " ".join(plan_words(plans["auto"]))
-    assert "in the backward: of the recomputations whose plan fits the device, the one of least step time" in said
-    assert f"none: {fmt_bytes(plans['auto'].recompute_peaks['none'])}" in said
+    assert "the cheapest plan without recomputation peaks at" in said
+    assert fmt_bytes(plans["none"].predicted["peak_bytes_per_device"]) in said
+    assert "priced the recomputation at" in said and "trace(s) planned" in said
     assert not any("Recomputes" in s for s in plan_words(plans["none"]))  # asked for nothing, nothing said
     assert "(activation_checkpoint.mode = full)" in " ".join(plan_words(plans["full"]))
 

@@ -70,24 +70,31 @@ def _fit_words(plan: Plan) -> list[str]:
 
 def _recompute_words(plan: Plan) -> list[str]:
     """What the backward recomputes, and for activation_checkpoint = "auto" why."""
-    mode, peaks = plan.activation_checkpoint, plan.recompute_peaks
+    mode, choice = plan.activation_checkpoint, plan.recompute_choice
     what = {"full": "each transformer block's forward", "selective": "part of each transformer block's forward"}
     if mode == "none":
-        if not peaks:
+        if not choice:
             return []
-        return [f"Recomputes nothing: the step's predicted peak, {fmt_bytes(peaks['none'])} per device, fits "
-                "the device (activation_checkpoint auto)."]
+        how = "once resharded" if plan.memory_fit else "as it is"
+        return [f"Recomputes nothing: the step's predicted peak, {fmt_bytes(plan.predicted['peak_bytes_per_device'])} "
+                f"per device, fits the device {how} (activation_checkpoint auto)."]
     if plan.block_recompute:
         of = {"full": "the whole forward of", "selective": "part of the forward of", "none": "nothing of"}
         runs = (f"{of.get(m, m)} block{'s' if '-' in r else ''} {r}" for m, r in block_runs(plan.block_recompute))
         said = "Recomputes " + ", ".join(runs) + " in the backward"
     else:
         said = f"Recomputes {what.get(mode, mode)} in the backward"
-    if not peaks:
+    if not choice:
         return [f"{said} (activation_checkpoint.mode = {mode})."]
-    over = "; ".join(f"{m}: {fmt_bytes(b)}" for m, b in peaks.items() if m != mode)
-    return [f"{said}: of the recomputations whose plan fits the device, the one of least step time; the "
-            f"others' plans peak at {over} per device (activation_checkpoint auto; this one: {fmt_bytes(peaks[mode])})."]
+    if "recompute_us" in choice:
+        price = 100 * (plan.objective / choice["unbounded_objective"] - 1)
+        why = (f"the cheapest plan without recomputation peaks at {fmt_bytes(choice['unbounded_peak_bytes'])} per "
+               "device, over the device; the solve that fits the step's peak chose this, block by block, over "
+               f"resharding alone (it priced the recomputation at {choice['recompute_us'] / 1e3:.2f} ms of step time "
+               f"for {fmt_bytes(choice['recompute_freed_bytes'])} freed at that peak; {price:+.1f}% step time in all)")
+    else:  # the chosen plan did not fit: the fallback to full recomputation
+        why = "no lighter recomputation's plan fits the device"
+    return [f"{said}: {why} (activation_checkpoint auto; {len(choice['tried'])} trace(s) planned)."]
 
 
 def dim_roles(plan: Plan) -> list[DimRole]:

@@ -28,6 +28,7 @@ from torchtitan_autoparallel.planner.plan.options import PlannerOptions
 from torchtitan_autoparallel.planner.plan.overlap import add_overlap_prediction, effective_us, overlap_spec
 from torchtitan_autoparallel.planner.plan.peak_rows import fit_peak
 from torchtitan_autoparallel.planner.plan.plan import Plan, plan_from_solution
+from torchtitan_autoparallel.planner.plan.recompute_choice import fit_with_recompute
 from torchtitan_autoparallel.planner.problem.build import BuiltProblem, build_problem
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.solve import get_solver
@@ -35,7 +36,7 @@ from torchtitan_autoparallel.planner.solve.base import Solution
 from torchtitan_autoparallel.planner.solve.registry import choose, exact_solver, overlap_solver
 from torchtitan_autoparallel.planner.strategies.repeats import repeated_layer_ties
 from torchtitan_autoparallel.planner.strategies.strategy import Strategy, enumerate_strategies
-from torchtitan_autoparallel.planner.trace.recompute import first_blocks, transformer_blocks
+from torchtitan_autoparallel.planner.trace.recompute import RECOMPUTE_ORDER, describe, transformer_blocks
 from torchtitan_autoparallel.planner.trace.trace import TracedStep, trace_training_step
 
 log = logging.getLogger("torchtitan_autoparallel.planner")
@@ -124,7 +125,7 @@ def plan_stages(
         reduce_dtype=o.reduce_dtype,
         loss_fn=o.loss_fn,
         batch=o.batch,
-        activation_checkpoint=o.block_recompute or o.activation_checkpoint,
+        activation_checkpoint=o.block_recompute or _traced_mode(o.activation_checkpoint),
     )
     clock.lap("trace")
     table = enumerate_strategies(traced, mesh, o.strided_sharding)
@@ -151,9 +152,11 @@ def plan_stages(
         usable = usable_bytes(o)
         if not usable:
             return solution
-        price = None if spec is None else functools.partial(effective_us, built, spec)
-        return fit_peak(built, traced, solution, usable, time_limit_s=o.time_limit_s,
-                        solver=exact_solver(o.ilp_backend, max(o.mip_gap or 0.0, ROWS_MIP_GAP)), price=price)
+        fit = dict(time_limit_s=o.time_limit_s, solver=exact_solver(o.ilp_backend, max(o.mip_gap or 0.0, ROWS_MIP_GAP)),
+                   price=None if spec is None else functools.partial(effective_us, built, spec))
+        if o.activation_checkpoint == "auto":
+            return fit_with_recompute(built, traced, solution, usable, len(transformer_blocks(model)), **fit)
+        return fit_peak(built, traced, solution, usable, **fit)
 
     solution = solve_hook(built, solve) if solve_hook else solve()
     _log_solution(solution, o.time_limit_s)
@@ -170,12 +173,9 @@ def plan_stages(
     return ExecutablePlan(plan, traced, built, solution)
 
 
-# activation_checkpoint = "auto" tries these in turn: each recomputes more of the
-# forward in the backward, so costs more step time and holds fewer activations.
-RECOMPUTE_ORDER = ("none", "selective", "full")
-# Plans "auto" tries between two modes, recomputing the first blocks more: a bisection
-# over the number of blocks, so 2**MIXED_PROBES blocks are told apart.
-MIXED_PROBES = 4
+# activation_checkpoint = "auto": the traces planned at most, each with the modes the
+# solve before chose (modes only get heavier, so the search ends anyway).
+RECOMPUTE_TRACES = 3
 # Of the device's memory, what "auto" leaves unplanned: the allocator's slack and the
 # runtime's own buffers, which the prediction does not count (it reads 0.91-1.09 of the
 # measured peak on CPU ranks: experiments/memory).
@@ -197,15 +197,13 @@ def plan_fitting(
     *,
     hook_for: Callable[[PlannerOptions], SolveHook | None] = lambda options: None,
 ) -> ExecutablePlan:
-    """``plan_stages``, with each solve's hook from ``hook_for``; for
-    ``activation_checkpoint = "auto"``, the recomputation of least step time whose plan
-    fits the device (less ``FIT_RESERVE``; each solve already trades step time for
-    memory, ``peak_rows.fit_peak``). The modes of ``RECOMPUTE_ORDER`` are planned in
-    turn, and the first whose cheapest plan fits as it is ends the search: recomputing
-    more only adds time; between it and the mode before, recomputing only the first
-    blocks more is searched too (``_RecomputeSearch.mixed``). Raises
-    ``NothingFits`` when no plan fits, and ``InfeasibleProblem`` when a plan of a given
-    mode is over a given ``memory_budget_gib`` (naming its peak)."""
+    """``plan_stages``, with each solve's hook from ``hook_for``. For
+    ``activation_checkpoint = "auto"``, each block's recomputation is a choice of the
+    solve that fits the device (less ``FIT_RESERVE``): ``recompute_choice``. The step
+    is traced without recomputation; when the solve chooses some, the chosen modes are
+    traced and planned again (at most ``RECOMPUTE_TRACES`` traces), and that plan is
+    the one run. Raises ``NothingFits`` when no plan fits, and ``InfeasibleProblem``
+    when a plan of a given mode is over a given ``memory_budget_gib`` (naming its peak)."""
     if options.activation_checkpoint != "auto":
         executable = plan_stages(model, mesh, options, solve_hook=hook_for(options))
         _check_budget(executable.plan, options)
@@ -216,70 +214,66 @@ def plan_fitting(
                  options.profile.name)
         none = options.replace(activation_checkpoint="none")
         return plan_stages(model, mesh, none, solve_hook=hook_for(none))
-    search = _RecomputeSearch(model, mesh, options, hook_for, usable)
-    before = None
-    for mode in RECOMPUTE_ORDER:
-        planned = search.plan(mode)
-        if search.as_is(planned):
-            if before is not None:  # which did not fit as it is
-                search.mixed(before.plan.activation_checkpoint, mode)
-            break
-        before = planned
-    return search.best()
+    return _RecomputeSearch(model, mesh, options, hook_for, usable).run()
 
 
 class _RecomputeSearch:
-    """The plans ``plan_fitting`` tries for ``activation_checkpoint = "auto"``, and their peaks."""
+    """The traces ``plan_fitting`` plans for ``activation_checkpoint = "auto"``."""
 
     def __init__(self, model, mesh, options, hook_for, usable: float) -> None:  # noqa: ANN001
         self.model, self.mesh, self.options, self.hook_for, self.usable = model, mesh, options, hook_for, usable
         self.n_blocks = len(transformer_blocks(model))
-        self.peaks: dict[str, float] = {}
-        self.fitting: list[ExecutablePlan] = []
+        self.tried: list[dict] = []
+        self.chosen: dict[str, float] = {}  # the first choice's price (Solution.memory_fit's recompute_ keys)
 
-    def plan(self, mode: str, blocks: tuple[str, ...] | None = None) -> ExecutablePlan:
-        chosen = self.options.replace(activation_checkpoint=mode, block_recompute=blocks)
+    def run(self) -> ExecutablePlan:
+        modes = ("none",) * self.n_blocks
+        for _ in range(RECOMPUTE_TRACES):
+            executable = self.plan(modes, choose=True)
+            asked = executable.solution.block_recompute or modes
+            if asked == modes:
+                if self.fits(executable):
+                    return self.done(executable)
+                break
+            if not self.chosen:  # the first choice, made against the plan without recomputation
+                fit = executable.solution.memory_fit
+                self.chosen = {k: v for k, v in fit.items() if k.startswith("recompute_") or k.startswith("unbounded_")}
+            modes = asked
+        else:  # the last choice, planned as chosen
+            executable = self.plan(modes, choose=False)
+            if self.fits(executable):
+                return self.done(executable)
+        full = self.plan(("full",) * self.n_blocks, choose=False)
+        if self.fits(full):
+            return self.done(full)
+        raise NothingFits(
+            f"no recomputation fits: with full recomputation the step peaks at "
+            f"{full.plan.predicted['peak_bytes_per_device'] / GIB:.2f} GiB per device at the lowest, over "
+            f"{_usable_words(self.options)}; {KNOBS}"
+        )
+
+    def plan(self, modes: tuple[str, ...], *, choose: bool) -> ExecutablePlan:
+        """The plan of the trace of ``modes``; with ``choose``, its solve may ask for more recomputation."""
+        heaviest = max(modes, key=RECOMPUTE_ORDER.index)
+        chosen = self.options.replace(activation_checkpoint="auto" if choose else heaviest, block_recompute=modes)
         executable = plan_stages(self.model, self.mesh, chosen, solve_hook=self.hook_for(chosen))
-        plan = executable.plan
-        peak = self.peaks[plan.activation_checkpoint] = plan.predicted["peak_bytes_per_device"]
-        fits = self.fits(executable)
-        log.info("activation_checkpoint auto: %s: the step peaks at %.2f GiB per device, %s %.2f GiB usable%s; "
-                 "step %.1f us", plan.activation_checkpoint, peak / GIB, "within" if fits else "over",
-                 self.usable / GIB, " once resharded" if plan.memory_fit else "", plan.objective)
-        if fits:
-            self.fitting.append(executable)
+        plan, asked = executable.plan, executable.solution.block_recompute
+        peak = plan.predicted["peak_bytes_per_device"]
+        self.tried.append({"traced": plan.activation_checkpoint, "peak_bytes": peak, "objective_us": plan.objective})
+        log.info("activation_checkpoint auto: traced %s: %s%s", plan.activation_checkpoint,
+                 f"the solve recomputes {describe(asked)} to fit {self.usable / GIB:.2f} GiB usable"
+                 if asked and asked != modes else
+                 f"the step peaks at {peak / GIB:.2f} GiB per device, {'within' if self.fits(executable) else 'over'} "
+                 f"{self.usable / GIB:.2f} GiB usable{' once resharded' if plan.memory_fit else ''}",
+                 f"; step {plan.objective:.1f} us" if not asked or asked == modes else "")
         return executable
 
     def fits(self, executable: ExecutablePlan) -> bool:
         return executable.plan.predicted["peak_bytes_per_device"] <= self.usable
 
-    def as_is(self, executable: ExecutablePlan) -> bool:
-        """Whether the cheapest plan of that recomputation fits without resharding."""
-        return self.fits(executable) and not executable.plan.memory_fit
-
-    def mixed(self, less: str, more: str) -> None:
-        """The fewest leading blocks recomputed as ``more`` (the others as ``less``) whose
-        cheapest plan fits as it is, by bisection over at most ``MIXED_PROBES`` plans: the
-        first blocks' activations live longest, so they are the ones to recompute."""
-        low, high = 0, self.n_blocks  # "less" on all blocks does not fit as is; "more" on all does
-        for _ in range(MIXED_PROBES):
-            if high - low <= 1:
-                break
-            k = (low + high) // 2
-            if self.as_is(self.plan(more, first_blocks(more, less, k, self.n_blocks))):
-                high = k
-            else:
-                low = k
-
-    def best(self) -> ExecutablePlan:
-        if not self.fitting:
-            raise NothingFits(
-                f"no recomputation fits: with full recomputation the step peaks at {self.peaks['full'] / GIB:.2f} "
-                f"GiB per device at the lowest, over {_usable_words(self.options)}; {KNOBS}"
-            )
-        best = min(self.fitting, key=lambda e: e.plan.objective)
-        best.plan.recompute_peaks = self.peaks
-        return best
+    def done(self, executable: ExecutablePlan) -> ExecutablePlan:
+        executable.plan.recompute_choice = {"tried": self.tried, **self.chosen}
+        return executable
 
 
 KNOBS = ("use more ranks, a smaller training.local_batch_size or training.seq_len, or HSDP "
@@ -316,6 +310,10 @@ def _check_budget(plan: Plan, options: PlannerOptions) -> None:
         f"{peak / GIB:.2f} GiB per device with activation_checkpoint.mode = {options.activation_checkpoint}; "
         f"{KNOBS}, or more recomputation (activation_checkpoint.mode = full or auto)"
     )
+
+
+def _traced_mode(mode: str) -> str:
+    return "none" if mode == "auto" else mode  # "auto" starts from no recomputation
 
 
 class _StageClock:

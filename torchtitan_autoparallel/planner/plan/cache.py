@@ -114,6 +114,7 @@ def store_entry(path: Path, key: str, solution: Solution, settings: Mapping[str,
         "status": solution.status,
         "seconds": float(solution.seconds),
         "memory_fit": {k: float(v) for k, v in solution.memory_fit.items()},
+        "block_recompute": list(solution.block_recompute),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -185,6 +186,7 @@ def _solution_from(entry: dict) -> Solution:
             status=str(entry["status"]),
             seconds=float(entry["seconds"]),
             memory_fit={str(k): float(v) for k, v in entry.get("memory_fit", {}).items()},
+            block_recompute=tuple(str(m) for m in entry.get("block_recompute", [])),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CacheEntryError(f"malformed entry ({type(e).__name__}: {e})") from None

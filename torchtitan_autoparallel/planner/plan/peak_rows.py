@@ -50,7 +50,7 @@ from torchtitan_autoparallel.planner.plan.memory import (
     walk,
 )
 from torchtitan_autoparallel.planner.problem.build import GRAD_EDGE, BuiltProblem, EdgeInfo
-from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem
+from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem, Problem
 from torchtitan_autoparallel.planner.problem.rows import GIB, MemoryRow
 from torchtitan_autoparallel.planner.solve.base import Solution
 from torchtitan_autoparallel.planner.solve.exact.ilp import IlpSolver
@@ -210,6 +210,10 @@ PEAK_ROUNDS = 8
 # the rows then chase the linear estimate's error, not a plan that fits.
 STALL_SHARE = 0.01
 STALL_ROUNDS = 3
+# After such a round the new rows' limit shrinks by the walk's excess over the rows' estimate,
+# and at least by this share of the usable bytes: the plans the rows let through neighbour
+# each other and miss by about the same error.
+TIGHTEN = 0.01
 ROUND_SHARE = 0.1  # of the time limit, the most one round's solve may take (its best plan is kept)
 ROWS_PER_ROUND = 4  # the worst positions over the limit, each at least a window apart
 WINDOW_SHARE = 1 / 64  # of the graph's length: nearer positions hold nearly the same tensors
@@ -230,6 +234,7 @@ def over_limit(totals: np.ndarray, usable: float) -> list[int]:
 def fit_peak(
     built: BuiltProblem, traced: TracedStep, solution: Solution, usable: float, *,
     time_limit_s: float | None, solver: IlpSolver, price: Callable[[np.ndarray], float] | None = None,
+    problem: Problem | None = None, memory: Callable[[np.ndarray], StepMemory] | None = None,
 ) -> Solution:
     """``solution``, or when its whole peak exceeds ``usable`` bytes, the cheapest plan the
     solve finds under rows at the positions over it (module docstring). Each round walks
@@ -238,30 +243,37 @@ def fit_peak(
     rounds make progress. Keeps the lowest peak, with a warning, when none fits; either
     way ``memory_fit`` says what was done. The solves under rows minimise the tables'
     step time; ``price`` (default: that) is the objective the plans are reported at
-    (``[autoparallel] overlap``'s, with the hidden collectives taken off)."""
-    memory = StepMemory(built, traced, solution.assignment)
+    (``[autoparallel] overlap``'s, with the hidden collectives taken off). ``problem``
+    and ``memory`` (default: ``built``'s, and its walk) solve and walk a problem with
+    more nodes than the placements' (``recompute_choice``)."""
+    problem = problem or built.problem
+    walk_of = memory or (lambda x: StepMemory(built, traced, x))
+    memory = walk_of(solution.assignment)
     if memory.peak <= usable:
         return solution
     start = time.perf_counter()
-    price = price or built.problem.energy
+    price = price or problem.energy
     unbounded = {"usable_bytes": usable, "unbounded_peak_bytes": memory.peak,
                  "unbounded_objective": float(price(solution.assignment))}
     rows: list[MemoryRow] = []
     best = (memory.peak, solution)
-    stalled = 0
+    stalled, limit = 0, usable
     for rounds in range(1, PEAK_ROUNDS + 1):
-        rows.extend(memory.row(at, usable) for at in over_limit(memory.totals, usable))
+        rows.extend(memory.row(at, limit) for at in over_limit(memory.totals, usable))
         log.info("peak %.2f GiB per device at %s is over %.2f GiB usable: solving again under %d memory row(s)",
                  memory.peak / GIB, memory.t.order[memory.at].name, usable / GIB, len(rows))
         left = None if time_limit_s is None else max(
             min(time_limit_s - (time.perf_counter() - start), ROUND_SHARE * time_limit_s), 1.0)
         try:
-            solution = solve_with_rows(built.problem, rows, left, solver)
+            solution = solve_with_rows(problem, rows, left, solver)
         except InfeasibleProblem as e:
             log.warning("no plan fits: %s", e)
             break
-        memory = StepMemory(built, traced, solution.assignment)
+        memory = walk_of(solution.assignment)
         stalled = stalled + 1 if memory.peak > best[0] * (1 - STALL_SHARE) else 0
+        if stalled:  # the rows' linear estimate misses the walk: the next rows ask for that much more
+            estimate = max(row.value(solution.assignment) for row in rows)
+            limit -= max(memory.peak - estimate, TIGHTEN * usable)
         if memory.peak < best[0]:
             best = (memory.peak, solution)
         if memory.peak <= usable:

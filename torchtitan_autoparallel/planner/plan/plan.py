@@ -79,10 +79,13 @@ class Plan:
     # its step, or by a plan-only run from the step traced on fake tensors; else empty.
     executed_collectives: list[dict[str, Any]] = field(default_factory=list)
     # The recomputation the step was traced with (activation_checkpoint.mode, or what
-    # "auto" chose: a mode, or runs of blocks, "full 0-1, none 2-5"), and for "auto"
-    # each one it planned: mode -> whole predicted peak
+    # "auto" chose: a mode, or runs of blocks, "full 0-1, none 2-5"). For "auto":
+    # "tried", each trace planned ({"traced", "peak_bytes", "objective_us"}), and where
+    # the solve chose recomputation, from the first such solve: "recompute_us" (the step
+    # time it priced), "recompute_freed_bytes" (what it frees where the plan without it
+    # peaked), and that plan's "unbounded_peak_bytes" and "unbounded_objective"
     activation_checkpoint: str = "none"
-    recompute_peaks: dict[str, float] = field(default_factory=dict)
+    recompute_choice: dict[str, Any] = field(default_factory=dict)
     block_recompute: list[str] = field(default_factory=list)  # each block's mode, when they differ
     # When the cheapest plan overflowed the device and was solved again under memory rows:
     # ``Solution.memory_fit`` (usable and reached peaks, the unbounded plan's peak and cost)

@@ -26,6 +26,9 @@ class Solution:
     # usable_bytes, peak_bytes, and the unbounded plan's unbounded_peak_bytes and
     # unbounded_objective; rounds, rows; fits (1.0 or 0.0)
     memory_fit: dict[str, float] = field(default_factory=dict)
+    # each transformer block's recomputation, where the solve chose it
+    # (``plan.recompute_choice``; empty: as traced)
+    block_recompute: tuple[str, ...] = ()
 
     @property
     def gap(self) -> float:

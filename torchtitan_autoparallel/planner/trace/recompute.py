@@ -30,12 +30,17 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-from torch import nn
+from torch import fx, nn
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torchtitan_autoparallel.compat import checkpoint_for_real
 
 AC_MODES = ("none", "full", "selective")
+# The modes from the least recomputation to the most: each costs more step time and
+# keeps fewer activations for the backward.
+RECOMPUTE_ORDER = ("none", "selective", "full")
+BLOCK = "block"  # node.meta key: the transformer block whose forward made the node (``tagged_blocks``)
 
 _MM_OPS = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
 
@@ -73,6 +78,20 @@ def _selective_policy():
     return policy
 
 
+def selective_saves(forward: Sequence[fx.Node]) -> set[fx.Node]:
+    """Of one block's forward ops, in graph order, those whose outputs the selective
+    policy keeps for the backward (``_selective_policy``, read off the graph)."""
+    save, matmuls, kept = _save_ops(), 0, set()
+    for node in forward:
+        if node.target in _MM_OPS:
+            matmuls += 1
+            if matmuls % 2 == 0:
+                continue
+        if node.target in save:
+            kept.add(node)
+    return kept
+
+
 def _checkpointed(forward, mode: str):
     def run(*args, **kwargs):
         extra = {}
@@ -107,11 +126,6 @@ def block_modes(mode: str | Sequence[str], n_blocks: int) -> tuple[str, ...]:
     return modes
 
 
-def first_blocks(first: str, rest: str, k: int, n_blocks: int) -> tuple[str, ...]:
-    """Blocks 0..k-1 in mode ``first``, the others in ``rest``."""
-    return (first,) * k + (rest,) * (n_blocks - k)
-
-
 def block_runs(modes: Sequence[str]) -> list[tuple[str, str]]:
     """Each run of blocks sharing a mode, as (mode, "0-1") or (mode, "2") for one block."""
     runs = []
@@ -126,6 +140,42 @@ def describe(modes: Sequence[str]) -> str:
     if len(set(modes)) == 1:
         return modes[0]
     return ", ".join(f"{mode} {blocks}" for mode, blocks in block_runs(modes))
+
+
+@contextmanager
+def tagged_blocks(model: nn.Module) -> Iterator[None]:
+    """While ``make_fx`` traces ``model``, mark each node its transformer block's forward
+    makes with ``node.meta[BLOCK]`` (the block's index): the planner prices each block's
+    recomputation from them. A recomputation in the backward calls the block's forward
+    directly, not the module, so its nodes stay unmarked. No-op for a model without blocks."""
+    layers = getattr(model, "layers", None)
+    blocks = list(layers.children()) if isinstance(layers, nn.Module) else []
+    starts: dict[int, fx.Node] = {}
+
+    def last_node() -> fx.Node | None:
+        mode = get_proxy_mode()
+        return None if mode is None else mode.tracer.graph._root.prev
+
+    def enter(i: int, *_) -> None:
+        node = last_node()
+        if node is not None:
+            starts[i] = node
+
+    def leave(i: int, *_) -> None:
+        end, node = last_node(), starts.pop(i, None)
+        while node is not None and node is not end:
+            node = node.next
+            node.meta.setdefault(BLOCK, i)
+
+    handles = []
+    for i, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(functools.partial(enter, i)))
+        handles.append(block.register_forward_hook(functools.partial(leave, i)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextmanager

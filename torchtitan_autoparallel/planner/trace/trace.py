@@ -25,7 +25,7 @@ from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from torchtitan_autoparallel.models.loss import cross_entropy_loss
-from torchtitan_autoparallel.planner.trace.recompute import checkpointed_blocks, describe
+from torchtitan_autoparallel.planner.trace.recompute import checkpointed_blocks, describe, tagged_blocks
 
 log = logging.getLogger("torchtitan_autoparallel.planner")
 
@@ -125,7 +125,7 @@ def trace_training_step(
         return loss, list(grads)
 
     cast_to = param_dtype if mixed else None
-    with checkpointed_blocks(model, activation_checkpoint), _cast_when_used(model, cast_to, casts):
+    with checkpointed_blocks(model, activation_checkpoint), tagged_blocks(model), _cast_when_used(model, cast_to, casts):
         gm = make_fx(step, tracing_mode="fake", record_module_stack=True)(params, buffers, tokens, labels)
     _remove_inplace(gm)
     _drop_aliases(gm)
