@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""activation_checkpoint = "auto" with and without recomputing only the first blocks.
+"""activation_checkpoint = "auto" (each block's recomputation chosen in the solve) against
+the best uniform mode.
 
 Each case plans one model on 8 ranks (DDP, FSDP, FSDP 2 x TP 4; a fake process
-group, the ``h100`` profile; global batch 8 of 2048 tokens) under device memories between full recomputation's and no
-recomputation's predicted peaks: a point ``t`` gives the planner
-``full + t * (none - full)`` usable bytes. Per point, ``auto`` plans twice:
-choosing among the three uniform modes only (``api.MIXED_PROBES = 0``), and as
-shipped, where it also bisects over the number of leading blocks recomputed
-more. The rows give each choice, its predicted step time and peak, and the
-plans it tried.
+group, the ``h100`` profile; global batch 8 of 2048 tokens) under device memories
+between full recomputation's and no recomputation's predicted peaks: a point ``t``
+gives the planner ``full + t * (none - full)`` usable bytes. Per point, each
+uniform mode (none, selective, full) is planned and fitted to the device
+(resharded under memory rows where its cheapest plan is over), and the cheapest
+that fits is ``uniform``; ``auto`` is one ``activation_checkpoint = "auto"`` plan,
+which chooses each block's mode in the solve that fits the peak. The rows give
+each choice, its predicted step time and peak, and the plans traced.
 
     .venv/bin/python experiments/recompute_blocks/run.py
 
@@ -46,18 +48,28 @@ def plan(model, mesh, batch: int, seq: int, mode: str, usable: float | None = No
                                   activation_checkpoint=mode, device_memory_gib=device_gib)
 
 
-def auto(model, mesh, batch: int, seq: int, usable: float, probes: int) -> dict:  # noqa: ANN001
-    api.MIXED_PROBES = probes
+def summary(p, start: float, plans: int) -> dict:  # noqa: ANN001
+    return {"chosen": p.activation_checkpoint + (" resharded" if p.memory_fit else ""), "step_us": p.objective,
+            "peak_bytes": p.predicted["peak_bytes_per_device"], "plans": plans,
+            "plan_s": round(time.perf_counter() - start, 1)}
+
+
+def uniform(model, mesh, batch: int, seq: int, usable: float) -> dict:  # noqa: ANN001
+    """The cheapest uniform mode whose fitted plan fits ``usable``."""
+    start = time.perf_counter()
+    fitting = [p for p in (plan(model, mesh, batch, seq, mode, usable) for mode in ("none", "selective", "full"))
+               if p.predicted["peak_bytes_per_device"] <= usable]
+    return summary(min(fitting, key=lambda p: p.objective), start, 3)
+
+
+def auto(model, mesh, batch: int, seq: int, usable: float) -> dict:  # noqa: ANN001
     start = time.perf_counter()
     p = plan(model, mesh, batch, seq, "auto", usable)
-    return {"chosen": p.activation_checkpoint + (" resharded" if p.memory_fit else ""), "step_us": p.objective,
-            "peak_bytes": p.predicted["peak_bytes_per_device"], "plans": len(p.recompute_peaks),
-            "plan_s": round(time.perf_counter() - start, 1)}
+    return summary(p, start, len(p.recompute_choice["tried"]))
 
 
 def main() -> int:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=RANKS)
-    shipped = api.MIXED_PROBES
     rows = []
     for family, flavor, kind, batch, seq in CASES:
         model = build_meta_model(family, flavor)
@@ -68,8 +80,8 @@ def main() -> int:
             usable = full + t * (none - full)
             row = {"case": f"{family} {flavor}", "mesh": f"{kind} {' x '.join(map(str, shape))}", "batch": batch, "seq": seq, "point": t,
                    "usable_bytes": usable, "none_peak_bytes": none, "full_peak_bytes": full,
-                   "uniform": auto(model, mesh, batch, seq, usable, 0),
-                   "per_block": auto(model, mesh, batch, seq, usable, shipped)}
+                   "uniform": uniform(model, mesh, batch, seq, usable),
+                   "auto": auto(model, mesh, batch, seq, usable)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     (HERE / "results.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
@@ -79,10 +91,10 @@ def main() -> int:
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| case | mesh | usable MiB (t) | uniform: chosen | step ms | peak MiB | per block: chosen | step ms | "
+    out = ["| case | mesh | usable MiB (t) | uniform: chosen | step ms | peak MiB | auto: chosen | step ms | "
            "peak MiB | plans | step saved |", "|" + " --- |" * 11]
     for r in rows:
-        u, b = r["uniform"], r["per_block"]
+        u, b = r["uniform"], r["auto"]
         out.append(f"| {r['case']} | {r['mesh']} | {r['usable_bytes'] / MIB:.1f} ({r['point']}) | {u['chosen']} | "
                    f"{u['step_us'] / 1e3:.2f} | {u['peak_bytes'] / MIB:.1f} | {b['chosen']} | {b['step_us'] / 1e3:.2f} | "
                    f"{b['peak_bytes'] / MIB:.1f} | {u['plans']} -> {b['plans']} | "

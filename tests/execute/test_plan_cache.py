@@ -94,6 +94,18 @@ def test_same_key_is_a_hit_and_skips_the_solver(planned, tmp_path, caplog):
     assert not list(tmp_path.glob("*.tmp"))  # the atomic write left no temporary behind
 
 
+def test_the_recomputation_a_solve_chose_comes_back_from_the_cache(planned, tmp_path):
+    """activation_checkpoint auto's solve answers each block's mode beside the placements:
+    a cache hit must answer the same, or the ranks would trace another step."""
+    built, solution, settings = planned
+    chose = dataclasses.replace(solution, block_recompute=("full", "none"),
+                                memory_fit={"recompute_us": 12.5, "unbounded_peak_bytes": 1e6})
+    _run(tmp_path, settings, built, chose)
+    hit, calls = _run(tmp_path, settings, built, chose)
+    assert calls == 0 and hit.block_recompute == ("full", "none")
+    assert hit.memory_fit == {"recompute_us": 12.5, "unbounded_peak_bytes": 1e6}
+
+
 @pytest.mark.parametrize("change", [{"memory_budget_gib": 40.0}, {"global_batch_size": 8}, {"seq_len": 64}])
 def test_a_changed_setting_changes_the_key_and_plans_again(planned, tmp_path, change):
     built, solution, settings = planned

@@ -138,6 +138,12 @@ def test_full_recomputation_priced_on_the_plain_trace_walks_as_its_own_trace(mes
     if mesh_dim == "dp_replicate":
         priced = sum(cost[2] for cost in choice.cost_us)
         assert priced == pytest.approx(full.plan.objective - plain.plan.objective, rel=0.15)
+        # a solve recomputing block 2 is read as the first block priced alike, whose
+        # activations live longer: the same step time, less memory at every position
+        alike = [i for i, cost in enumerate(choice.cost_us) if np.allclose(cost, choice.cost_us[2])]
+        only_block_2 = np.concatenate([plain.solution.assignment, [0, 0, 2, 0]])
+        modes = choice.modes(only_block_2, 4, plain.traced)
+        assert alike[0] < 2 and modes.index("full") == alike[0] and modes.count("full") == 1
 
 
 def test_when_nothing_fits_the_error_names_the_smallest_peak_and_the_knobs(plans) -> None:

@@ -107,12 +107,27 @@ class RecomputeChoice:
     cost_us: list[np.ndarray]  # per block, per option: step time added
 
     def modes(self, assignment: np.ndarray, n_blocks: int, traced: TracedStep) -> tuple[str, ...]:
-        """Each block's mode under ``assignment`` (of ``problem``)."""
+        """Each block's mode under ``assignment`` (of ``problem``), the heavier modes moved to
+        the first of the blocks priced alike: an earlier block's activations live from an
+        earlier forward to a later backward, so it frees as much at every position, for
+        the same time; and "full 0-1, none 2-5" reads better than an arbitrary order."""
         modes = list(block_modes(traced.block_recompute or traced.activation_checkpoint, n_blocks))
         first = self.problem.num_nodes - len(self.blocks)
-        for i, block in enumerate(self.blocks):
-            modes[block.block] = block.options[int(assignment[first + i])]
+        chosen = [block.options[int(assignment[first + i])] for i, block in enumerate(self.blocks)]
+        for alike in self._alike():
+            heaviest_first = sorted((chosen[i] for i in alike), key=RECOMPUTE_ORDER.index, reverse=True)
+            for i, mode in zip(alike, heaviest_first):
+                chosen[i] = mode
+        for block, mode in zip(self.blocks, chosen):
+            modes[block.block] = mode
         return tuple(modes)
+
+    def _alike(self) -> list[list[int]]:
+        """Groups of blocks (indices into ``blocks``, in order) with the same options and prices."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (block, cost) in enumerate(zip(self.blocks, self.cost_us)):
+            groups.setdefault((block.options, tuple(np.round(cost, 6)), len(block.saved)), []).append(i)
+        return list(groups.values())
 
 
 def recompute_choice(built: BuiltProblem, traced: TracedStep, assignment: np.ndarray) -> RecomputeChoice:
