@@ -37,7 +37,7 @@ class PlannerOptions:
     ``device_memory_gib``, the device's memory, or the profile's when None, less
     ``api.FIT_RESERVE``; not bounded when neither is known).
     ``activation_checkpoint`` traces each transformer block recomputed in the
-    backward ("auto": of the modes whose plan fits, the one of least step time:
+    backward ("auto": each block's mode chosen by the solve that fits the device:
     ``api.plan_fitting``); ``strided_sharding`` lets matmuls take the strided shards views
     produce; ``overlap`` credits gathers and reductions hidden behind compute.
     ``loss_fn`` and ``batch`` replace cross-entropy over a token batch for
@@ -58,7 +58,7 @@ class PlannerOptions:
     export_problem: str | None = None
     activation_checkpoint: Recompute = "none"
     # each transformer block's mode, in place of activation_checkpoint's one for all
-    # (what "auto" plans between two modes: api.plan_fitting)
+    # (the trace "auto" plans: api.plan_fitting)
     block_recompute: tuple[str, ...] | None = None
     device_memory_gib: float | None = None
     strided_sharding: bool = False

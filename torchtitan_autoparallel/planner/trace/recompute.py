@@ -16,10 +16,10 @@ Modes (``activation_checkpoint.mode``):
   (matmuls, attention) are saved, except every second matmul; the rest is
   recomputed.
 
-A mode may also be given per block (``block_modes``): the planner's
-``activation_checkpoint = "auto"`` recomputes the first blocks more than the
-others when that is what fits (the first blocks' activations are the ones
-kept longest, from the start of the forward to the end of the backward).
+A mode may also be given per block (``block_modes``): what the planner's
+``activation_checkpoint = "auto"`` chooses, block by block, in the solve
+(``planner/plan/recompute_choice.py``, which reads each block's forward ops
+from the ``BLOCK`` tag ``tagged_blocks`` puts on them while tracing).
 """
 
 from __future__ import annotations
