@@ -243,7 +243,8 @@ class _RecomputeSearch:
             executable = self.plan(modes, choose=False)
             if self.fits(executable):
                 return self.done(executable)
-        full = self.plan(("full",) * self.n_blocks, choose=False)
+        all_full = ("full",) * self.n_blocks
+        full = executable if modes == all_full else self.plan(all_full, choose=False)
         if self.fits(full):
             return self.done(full)
         raise NothingFits(
@@ -260,12 +261,14 @@ class _RecomputeSearch:
         plan, asked = executable.plan, executable.solution.block_recompute
         peak = plan.predicted["peak_bytes_per_device"]
         self.tried.append({"traced": plan.activation_checkpoint, "peak_bytes": peak, "objective_us": plan.objective})
-        log.info("activation_checkpoint auto: traced %s: %s%s", plan.activation_checkpoint,
-                 f"the solve recomputes {describe(asked)} to fit {self.usable / GIB:.2f} GiB usable"
-                 if asked and asked != modes else
-                 f"the step peaks at {peak / GIB:.2f} GiB per device, {'within' if self.fits(executable) else 'over'} "
-                 f"{self.usable / GIB:.2f} GiB usable{' once resharded' if plan.memory_fit else ''}",
-                 f"; step {plan.objective:.1f} us" if not asked or asked == modes else "")
+        if asked and asked != modes:
+            log.info("activation_checkpoint auto: traced %s: the solve recomputes %s to fit %.2f GiB usable; "
+                     "tracing that", plan.activation_checkpoint, describe(asked), self.usable / GIB)
+        else:
+            log.info("activation_checkpoint auto: traced %s: the step peaks at %.2f GiB per device, %s %.2f GiB "
+                     "usable%s; step %.1f us", plan.activation_checkpoint, peak / GIB,
+                     "within" if self.fits(executable) else "over", self.usable / GIB,
+                     " once resharded" if plan.memory_fit else "", plan.objective)
         return executable
 
     def fits(self, executable: ExecutablePlan) -> bool:
