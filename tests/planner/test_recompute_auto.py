@@ -23,6 +23,7 @@ from torchtitan_autoparallel.planner.plan.api import (
     plan_training_step,
 )
 from torchtitan_autoparallel.planner.plan.options import PlannerOptions
+from torchtitan_autoparallel.planner.plan.peak_rows import StepMemory
 from torchtitan_autoparallel.planner.plan.plan import Plan
 from torchtitan_autoparallel.planner.plan.recompute_choice import JointMemory, recompute_choice
 from torchtitan_autoparallel.planner.problem.problem import InfeasibleProblem
@@ -132,9 +133,15 @@ def test_full_recomputation_priced_on_the_plain_trace_walks_as_its_own_trace(mes
     choice = recompute_choice(plain.built, plain.traced, plain.solution.assignment)
     assert [b.options for b in choice.blocks] == [("none", "selective", "full")] * 4
     all_full = np.concatenate([plain.solution.assignment, np.full(len(choice.blocks), 2)])
-    predicted = JointMemory(plain.built, plain.traced, all_full, choice).peak
+    walk = JointMemory(plain.built, plain.traced, all_full, choice)
+    predicted = walk.peak
     assert predicted == pytest.approx(full.plan.predicted["peak_bytes_per_device"], rel=0.01)
     assert predicted < plain.plan.predicted["peak_bytes_per_device"]
+    # and at the end of the forward, where only the blocks' inputs are kept
+    traced_full = StepMemory(full.built, full.traced, full.solution.assignment)
+    at_loss = [list(step.graph.graph.nodes).index(step.loss) for step in (plain.traced, full.traced)]
+    assert walk.totals[at_loss[0]] == pytest.approx(traced_full.totals[at_loss[1]], rel=0.01)
+    assert walk.totals[at_loss[0]] < StepMemory(plain.built, plain.traced, plain.solution.assignment).totals[at_loss[0]]
     if mesh_dim == "dp_replicate":
         priced = sum(cost[2] for cost in choice.cost_us)
         assert priced == pytest.approx(full.plan.objective - plain.plan.objective, rel=0.15)

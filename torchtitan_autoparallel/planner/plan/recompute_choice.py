@@ -52,6 +52,7 @@ class BlockForward:
     saved: frozenset[fx.Node]  # ops a backward op reads: kept for the backward in this trace
     kept: dict[str, frozenset[fx.Node]]  # mode -> the saved ops it still keeps
     resume: int  # where the backward first reads them: a recomputation runs there
+    forward_read: dict[fx.Node, int]  # each op's last reader in the forward (its own position if none)
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -88,8 +89,9 @@ def block_forwards(traced: TracedStep) -> list[BlockForward]:
         # by op, not by what the backward reads: a saved view keeps its input op's buffer
         kept = {"none": saved, "selective": frozenset(selective if modes[b] == "none" else saved),
                 "full": frozenset(output)}
+        forward_read = {n: max([position[n], *(position[u] for u in n.users if position[u] < loss)]) for n in nodes}
         forwards.append(BlockForward(b, modes[b], tuple(nodes), saved, kept,
-                                     min(min(later) for later in read_later.values() if later)))
+                                     min(min(later) for later in read_later.values() if later), forward_read))
     return forwards
 
 
@@ -164,14 +166,16 @@ def recompute_choice(built: BuiltProblem, traced: TracedStep, assignment: np.nda
 
 def freed(block: BlockForward, option: str, t: Timeline) -> np.ndarray:
     """Per graph position, the bytes of ``block``'s saved activations ``option`` no
-    longer keeps, as the walk ``t`` sizes them."""
+    longer keeps, as the walk ``t`` sizes them: from after their last forward reader
+    (through any view of them) to where the backward reaches the block."""
     out = np.zeros(len(t.order))
-    owners = {t.root.get(n, n) for n in block.saved - block.kept[option]}
-    kept = {t.root.get(n, n) for n in block.kept[option]}
-    for owner in owners - kept:
+    root = {n: t.root.get(n, n) for n in block.ops}
+    dropped = {root[n] for n in block.saved - block.kept[option]} - {root[n] for n in block.kept[option]}
+    for owner in dropped:
         if owner.meta.get(BLOCK) != block.block or owner not in t.size:
             continue
-        out[t.position[owner]:min(t.last_use[owner] + 1, block.resume)] += t.size[owner]
+        read = max(block.forward_read[n] for n in block.ops if root[n] is owner)
+        out[read + 1:min(t.last_use[owner] + 1, block.resume)] += t.size[owner]
     return out
 
 
