@@ -136,6 +136,22 @@ def test_a_plan_recomputing_one_block_of_two_trains_as_one_device(tmp_path_facto
 
 
 @pytest.mark.multirank
+def test_the_recomputation_the_solve_chose_trains_as_one_device(tmp_path_factory):
+    """activation_checkpoint = "auto" over DDP 2 (no resharding saves memory there) on a
+    device holding 0.85 of the plain step's peak: the solve recomputes some blocks, the
+    chosen modes are traced and run, and the losses stay the 1-rank run's."""
+    result = run_parity("dp_replicate=2", "--layers", "4", "--seq-len", "256", "--activation-checkpoint", "auto",
+                        "--fit-share", "0.85", tmp=tmp_path_factory.mktemp("auto"))
+    assert "error" not in result, result["error"]
+    assert result["recompute"] not in ("", "none"), result["recompute"]
+    fit = result["fit"]
+    assert fit["peak"] <= fit["usable"] < fit["free_peak"]
+    want = reference_losses(ParityConfig(layers=4, seq_len=256))
+    for step, (got, ref) in enumerate(zip(result["losses"], want, strict=True)):
+        assert abs(got - ref) <= REL_TOL * abs(ref), f"step {step}: {got} vs {ref}"
+
+
+@pytest.mark.multirank
 def test_audit_fsdp_executes_the_planned_collectives(tmp_path_factory):
     mesh, flags = MESHES["fsdp2"]
     result = run_parity(mesh, *flags, tmp=tmp_path_factory.mktemp("fsdp2"))

@@ -80,6 +80,7 @@ class ParityResult:
     strided_nodes: int = 0  # planned nodes with a _StridedShard input or output
     # with fit_share: the unbounded plan's and the fitted plan's peaks and step costs, the usable bytes
     fit: dict[str, float] = field(default_factory=dict)
+    recompute: str = ""  # the recomputation the plan run was traced with (what "auto" chose)
 
 
 # ---------------------------------------------------------------- shared by both sides
@@ -178,7 +179,8 @@ def run_planned(
         fit = {"usable": usable, "free_peak": free.predicted["peak_bytes_per_device"], "free_objective": free.objective,
                "peak": planned.plan.predicted["peak_bytes_per_device"], "objective": planned.plan.objective}
     step = planned.step
-    result = ParityResult(losses=[], grad_norms=[], plan_timings=dict(planned.plan.timings), fit=fit)
+    result = ParityResult(losses=[], grad_norms=[], plan_timings=dict(planned.plan.timings), fit=fit,
+                          recompute=planned.plan.activation_checkpoint)
     result.strided_nodes = _strided_nodes(planned)
     if do_audit:
         expected, executed = audit(step, planned.plan, *batch(cfg, 0, _vocab(full)))
