@@ -206,8 +206,9 @@ def _reach(t: Timeline, node: fx.Node) -> int:
 # for the lowest peak it found: a step's peak moves between a few positions (the start
 # of the backward, each block's recomputation), so a few rounds bound them all.
 PEAK_ROUNDS = 8
-# Stop early when STALL_ROUNDS rounds in a row lowered the lowest peak by less than this share:
-# the rows then chase the linear estimate's error, not a plan that fits.
+# Stop early when STALL_ROUNDS rounds in a row lowered the lowest peak by less than this share
+# while it stayed more than this share over: the rows then chase the linear estimate's error,
+# not a plan that fits.
 STALL_SHARE = 0.01
 STALL_ROUNDS = 3
 # After such a round the new rows' limit shrinks by the walk's excess over the rows' estimate,
@@ -270,10 +271,12 @@ def fit_peak(
             log.warning("no plan fits: %s", e)
             break
         memory = walk_of(solution.assignment)
-        stalled = stalled + 1 if memory.peak > best[0] * (1 - STALL_SHARE) else 0
-        if stalled:  # the rows' linear estimate misses the walk: the next rows ask for that much more
+        slow = memory.peak > best[0] * (1 - STALL_SHARE)
+        if slow:  # the rows' linear estimate misses the walk: the next rows ask for that much more
             estimate = max(row.value(solution.assignment) for row in rows)
             limit -= max(memory.peak - estimate, TIGHTEN * usable)
+        # a plan within STALL_SHARE of fitting is what the tightened rows close in on
+        stalled = stalled + 1 if slow and memory.peak > usable * (1 + STALL_SHARE) else 0
         if memory.peak < best[0]:
             best = (memory.peak, solution)
         if memory.peak <= usable:
