@@ -142,7 +142,7 @@ def recompute_choice(built: BuiltProblem, traced: TracedStep, assignment: np.nda
         into.setdefault(v, []).append(e)
 
     def op_time(node: fx.Node) -> float:
-        if node not in built._index:
+        if node not in built:
             return 0.0
         v = built.index(node)
         edges = into.get(v, [])

@@ -69,6 +69,10 @@ class BuiltProblem:
     def index(self, node: fx.Node) -> int:
         return self._index[node]
 
+    def __contains__(self, node: fx.Node) -> bool:
+        """Whether ``node`` is a problem node (ops without strategies are not)."""
+        return node in self._index
+
     def strategies(self, node: fx.Node) -> list[Strategy]:
         return self.table.nodes[node].strategies
 
