@@ -214,14 +214,21 @@ def fit_with_recompute(built: BuiltProblem, traced: TracedStep, solution: Soluti
     n = len(built.nodes)
     start = replace(solution, assignment=np.concatenate([solution.assignment, np.zeros(len(choice.blocks), np.int64)]))
     price = fit.pop("price", None) or built.problem.energy
-    fitted = fit_peak(built, traced, start, usable, problem=choice.problem,
-                      memory=lambda x: JointMemory(built, traced, x, choice),
+    walks: dict[bytes, JointMemory] = {}  # each plan walked once: the fit's walks are read again below
+
+    def walk_of(x: np.ndarray) -> JointMemory:
+        key = np.asarray(x, dtype=np.int64).tobytes()
+        if key not in walks:
+            walks[key] = JointMemory(built, traced, x, choice)
+        return walks[key]
+
+    fitted = fit_peak(built, traced, start, usable, problem=choice.problem, memory=walk_of,
                       price=lambda x: price(x[:n]) + _choice_cost(choice, x[n:]), **fit)
     if fitted is start:
         return solution
     y = fitted.assignment[n:]
-    at = int(np.argmax(StepMemory(built, traced, solution.assignment).totals))
-    walk = JointMemory(built, traced, fitted.assignment, choice)
+    at = walk_of(start.assignment).at  # where the plan without recomputation peaks
+    walk = walk_of(fitted.assignment)
     fitted.memory_fit["recompute_us"] = _choice_cost(choice, y)
     fitted.memory_fit["recompute_freed_bytes"] = float(sum(f[y[i], at] for i, f in enumerate(walk.freed)))
     return replace(fitted, assignment=fitted.assignment[:n], block_recompute=choice.modes(fitted.assignment, n_blocks, traced))
